@@ -1,0 +1,1 @@
+"""pdserve.decode_service (see the README for its role)."""

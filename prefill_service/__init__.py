@@ -1,0 +1,1 @@
+"""pdserve.prefill_service (see the README for its role)."""

@@ -1,0 +1,1 @@
+"""pdserve.router (see the README for its role)."""
