@@ -1,0 +1,167 @@
+"""`pdserve` command line. argparse lives only here; everything below takes typed configs.
+
+Errors a user can fix (bad flags, a broken model directory, bad token ids) print one line naming the problem and
+exit with status 2; nothing is half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional, Sequence
+
+from pdserve.kernels import ATTENTION_BACKENDS, MOE_BACKENDS
+
+
+class UsageError(Exception):
+    pass
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that runs the model (generate, and later the prefill/decode workers)."""
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + safetensors)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation/weight dtype; auto = the checkpoint's (FP8 weights stay FP8)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy = random weights of the configured shapes, no files needed")
+    g.add_argument("--attention-backend", default="torch", choices=ATTENTION_BACKENDS.names())
+    g.add_argument("--moe-backend", default="torch", choices=MOE_BACKENDS.names())
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--num-pages", type=int, default=2048, help="pages in the latent KV pool (default 2048)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step; longer prompts are prefilled in chunks (default 2048)")
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from pdserve.engine import EngineConfig
+    from pdserve.kv_cache import CacheConfig
+    from pdserve.scheduler import SchedulerConfig
+
+    if not args.model:
+        raise UsageError("--model DIR is required")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return EngineConfig(
+        model_dir=args.model, dtype=args.dtype, device=device, load_format=args.load_format,
+        attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_running_requests=args.max_running_requests,
+                                  enable_prefix_cache=not args.no_prefix_cache),
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="1,2")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from pdserve.sampling import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                          stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine import LLMEngine
+
+    if (args.prompt is None) == (args.input_ids is None):
+        raise UsageError("give exactly one of --prompt TEXT or --input-ids 1,2,3")
+    params = sampling_params_from_args(args)  # validate before the (slow) model load
+    if args.prompt == "" or args.input_ids == []:
+        raise UsageError("the prompt is empty: give at least one token")
+    start = time.monotonic()
+    engine = LLMEngine(engine_config_from_args(args), progress=_progress)
+    _progress(f"model ready in {time.monotonic() - start:.1f}s ({engine.model_config.name}, "
+              f"{engine.config.device})")
+    prompt = args.prompt if args.prompt is not None else args.input_ids
+    out = engine.generate([prompt], params)[0]
+    if args.json:
+        print(json.dumps({"output_ids": out.output_ids, "text": out.new_text, "finish_reason": out.finish_reason,
+                          "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.output_ids),
+                          "cached_tokens": out.cached_tokens}))
+    else:
+        print(out.new_text if engine.tokenizer else " ".join(map(str, out.output_ids)))
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from pdserve.tiny_model import make_tiny_model
+
+    make_tiny_model(args.dir, arch=args.arch, fp8=args.fp8, seed=args.seed)
+    print(f"wrote a tiny {args.arch}{' FP8' if args.fp8 else ''} checkpoint to {args.dir}")
+    return 0
+
+
+def _progress(msg: str) -> None:
+    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Prefill/decode disaggregated serving for DeepSeek-V3-family models (MLA, MoE, NextN).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser("generate", help="run a prompt through the single-process engine and print the output",
+                         description="Run one prompt through the single-process engine (greedy by default).")
+    add_engine_args(gen)
+    src = gen.add_argument_group("input")
+    src.add_argument("--prompt", help="text prompt (needs tokenizer.json in the model directory)")
+    src.add_argument("--input-ids", type=_token_ids, metavar="1,2,3", help="prompt as token ids")
+    add_sampling_args(gen)
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object: output_ids, text, finish_reason and token counts")
+    gen.set_defaults(func=cmd_generate)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (with MTP + tokenizer)",
+                          description="Write a small random checkpoint in Hugging Face format for demos and tests.")
+    tiny.add_argument("dir", help="output directory (must not exist or be empty)")
+    tiny.add_argument("--arch", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v2"])
+    tiny.add_argument("--fp8", action="store_true", help="store linear weights block-quantized (128x128) in FP8")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pdserve.config import ConfigError
+    from pdserve.weights import WeightsError
+
+    try:
+        return args.func(args)
+    except (UsageError, ConfigError, WeightsError, ValueError, FileExistsError) as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The single-process engine: one obvious loop, schedule() -> execute() -> update().
+
+Every tier of pdserve builds on it; the disaggregated path must reproduce its greedy tokens exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from pdserve.config import ModelConfig
+from pdserve.kernels import KernelBackends
+from pdserve.kv_cache import CacheConfig, LatentKVPool
+from pdserve.model_runner import ModelRunner
+from pdserve.prefix_cache import PrefixCache
+from pdserve.request import FinishReason, Request
+from pdserve.sampling import Sampler, SamplingParams, StopChecker, make_generator
+from pdserve.scheduler import Scheduler, SchedulerConfig
+from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.weights import load_model, resolve_dtype
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Optional[str]
+    dtype: str = "auto"  # auto = the checkpoint's dtype
+    device: str = "cpu"
+    load_format: str = "auto"  # auto | safetensors | dummy
+    attention_backend: str = "torch"
+    moe_backend: str = "torch"
+    gemm_backend: str = "torch"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prefix_chunk_tokens: int = 4096  # cached-prefix tokens decompressed per attention chunk in prefill
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    output_ids: list[int]
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: Optional[Callable[[str], None]] = None,
+                 model_config: Optional[ModelConfig] = None):
+        self.config = config
+        self.model_config = model_config or ModelConfig.from_model_dir(config.model_dir)
+        cfg = self.model_config
+        dtype = resolve_dtype(config.dtype, cfg)
+        kernels = KernelBackends.create(config.attention_backend, config.moe_backend, config.gemm_backend)
+        self.model = load_model(config.model_dir, cfg, dtype, kernels, config.load_format, config.device,
+                                config.prefix_chunk_tokens, progress)
+        self.tokenizer = Tokenizer.from_model_dir(config.model_dir) if config.model_dir else None
+        if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
+                             f"{cfg.vocab_size}: the model directory mixes two models")
+        self.pool = LatentKVPool(cfg.num_kv_layers, cfg.kv_cache_dim, config.cache, dtype, config.device)
+        self.prefix_cache = PrefixCache(self.pool.allocator, config.cache.page_size)
+        sched = config.scheduler
+        if sched.max_model_len > cfg.max_position_embeddings:
+            sched = dataclasses.replace(sched, max_model_len=cfg.max_position_embeddings)
+        self.scheduler = Scheduler(sched, config.cache, self.prefix_cache)
+        self.runner = ModelRunner(self.model, self.pool, config.device)
+        self.sampler = Sampler()
+        self.eos_token_ids = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._stops: dict[str, StopChecker] = {}
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                    request_id: Optional[str] = None) -> str:
+        ids = self.encode(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = Request(request_id, ids, params, arrival_time=time.monotonic(),
+                      generator=make_generator(params.seed, self.config.device))
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+        stop = StopChecker(params, () if params.ignore_eos else self.eos_token_ids, detok)
+        self.scheduler.add(req)
+        self._requests[request_id], self._stops[request_id] = req, stop
+        return request_id
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+        self._stops.pop(request_id, None)
+        return req is not None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        forward = self.runner.execute(scheduled)
+        tokens = []
+        if forward.requests:  # a step may only advance prompt chunks
+            tokens = self.sampler.sample(forward.logits, [r.params for r in forward.requests],
+                                         [r.generator for r in forward.requests]).tolist()
+        self.scheduler.update(scheduled)
+        return [self._append(req, tok) for req, tok in zip(forward.requests, tokens)]
+
+    def _append(self, req: Request, token: int) -> RequestOutput:
+        req.output_ids.append(token)
+        update = self._stops[req.request_id].update([token])
+        reason = update.finish_reason
+        if reason is None and req.num_tokens >= self.scheduler.config.max_model_len:
+            reason = FinishReason.LENGTH.value  # the context is full
+        req.output_text += update.text
+        if reason is not None:
+            self.scheduler.finish(req, FinishReason(reason))
+            self._requests.pop(req.request_id)
+            self._stops.pop(req.request_id)
+        return RequestOutput(req.request_id, [token], update.text, reason is not None, list(req.output_ids),
+                             reason, req.num_prompt_tokens, req.num_cached_tokens)
+
+    def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching); returns the final output of each, in order."""
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        texts: dict[str, str] = {i: "" for i in ids}
+        while self.has_unfinished:
+            for out in self.step():
+                texts[out.request_id] += out.new_text
+                if out.finished:
+                    out.new_text = texts[out.request_id]  # whole text for the caller
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def kv_pages_in_use_by_requests(self) -> int:
+        """Pages held by requests (not by the prefix cache alone); 0 when idle."""
+        return self.pool.allocator.num_used - self.prefix_cache.num_cache_only_pages
+
+
+__all__ = ["LLMEngine", "EngineConfig", "RequestOutput"]

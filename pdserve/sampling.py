@@ -1,0 +1,248 @@
+"""Sampling parameters, the batched sampler and the per-request stop decision.
+
+`probs_after_processing` is the single definition of the distribution a row is drawn from (temperature, then
+top-k, then top-p); `Sampler.sample` draws from it and speculative decoding verifies against it, so the two
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Collection, Iterable, Optional, Protocol, Sequence
+
+import torch
+
+FINISH_STOP = "stop"  # eos (unless ignore_eos), a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_new_tokens reached
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings (OpenAI/vLLM semantics). Lists are accepted and stored as tuples."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off; -1 is normalised to 0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # NOTE: a bare string would otherwise become a tuple of one-character stop strings.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed}")
+        if any(not isinstance(s, str) or s == "" for s in stop):
+            raise ValueError(f"stop must contain only non-empty strings, got {stop!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        # As in vLLM: dividing by a temperature this small overflows float32 logits to inf (then NaN).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def make_generator(seed: Optional[int], device: torch.device | str = "cpu") -> Optional[torch.Generator]:
+    """A generator seeded for one request, or None (draws then use torch's global RNG).
+
+    NOTE: torch.multinomial requires the generator on the same device as the logits.
+    """
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def probs_after_processing(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float32 distribution (vocab,) that `Sampler.sample` draws this row from.
+
+    Greedy: one-hot on argmax (lowest id on ties). Otherwise softmax(logits / T) restricted to the top-k tokens,
+    then to the smallest set of most likely tokens whose probability (renormalised over top-k) reaches top_p.
+    Ties are ordered by lowest id, so top_k=1 is exactly greedy and the kept set is deterministic.
+    """
+    assert logits_row.dim() == 1, f"expected (vocab,), got {tuple(logits_row.shape)}"
+    vocab = logits_row.numel()
+    if params.is_greedy:
+        probs = torch.zeros(vocab, dtype=torch.float32, device=logits_row.device)
+        probs[torch.argmax(logits_row)] = 1.0
+        return probs
+    x = logits_row.float() / params.temperature
+    k = params.top_k if 0 < params.top_k < vocab else vocab
+    if k == vocab and params.top_p >= 1.0:
+        return torch.softmax(x, dim=-1)
+    sorted_x, order = torch.sort(x, descending=True, stable=True)  # (vocab,) each; ties keep lowest id first
+    sorted_x[k:] = float("-inf")
+    if params.top_p < 1.0:
+        p = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(p, dim=-1) - p  # exclusive cumsum: 0 for the top token, so it is always kept
+        sorted_x = sorted_x.masked_fill(mass_before >= params.top_p, float("-inf"))
+    sorted_probs = torch.softmax(sorted_x, dim=-1)
+    return torch.empty_like(sorted_probs).scatter_(0, order, sorted_probs)
+
+
+class Sampler:
+    """Draws one token per row of a logits batch, each row under its own SamplingParams and generator."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[Optional[torch.Generator]],
+    ) -> torch.Tensor:
+        """logits (batch, vocab) -> token ids (batch,) int64 on logits.device."""
+        assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), (
+            f"logits {tuple(logits.shape)}, {len(params)} params, {len(generators)} generators"
+        )
+        out = torch.argmax(logits, dim=-1)  # (batch,) greedy rows are final; ties -> lowest id
+        # NOTE: non-greedy rows are drawn one at a time, each from its own generator, so a seeded request's
+        # tokens do not depend on which other requests share the batch. Cost is a few small kernels per row.
+        for i, (p, gen) in enumerate(zip(params, generators)):
+            if p.is_greedy:
+                continue
+            probs = probs_after_processing(logits[i], p)
+            out[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        return out
+
+
+def _token_finish_reason(
+    last_id: int, num_output: int, params: SamplingParams, eos_token_ids: Collection[int]
+) -> Optional[str]:
+    # A natural stop is reported in preference to the length limit when both happen on the same token.
+    if (not params.ignore_eos and last_id in eos_token_ids) or last_id in params.stop_token_ids:
+        return FINISH_STOP
+    if num_output >= params.max_new_tokens:
+        return FINISH_LENGTH
+    return None
+
+
+def check_stop(
+    output_ids: Sequence[int],
+    new_text_tail: Optional[str],
+    params: SamplingParams,
+    eos_token_ids: Collection[int],
+) -> Optional[str]:
+    """Stateless finish check after the last token of `output_ids`: "stop", "length" or None.
+
+    `new_text_tail` is recent decoded text long enough to hold any stop string that ends in the newest token
+    (None without a tokenizer). Use `StopChecker` to also get the streamed text truncated at the stop string.
+    """
+    if not output_ids:
+        return None
+    if new_text_tail and any(s in new_text_tail for s in params.stop):
+        return FINISH_STOP
+    return _token_finish_reason(output_ids[-1], len(output_ids), params, eos_token_ids)
+
+
+class StopStringMatcher:
+    """Finds the first stop string in text that arrives in chunks, holding back text that may begin one.
+
+    `feed` returns (text safe to emit, stopped). Emitted text never contains a stop string: on a match the text
+    is cut just before it. Only the longest suffix that is a prefix of some stop string is held back, so
+    streaming is delayed no more than necessary, and a match spanning chunk boundaries is still found.
+    """
+
+    def __init__(self, stop: Sequence[str]):
+        assert all(stop), "stop strings must be non-empty (SamplingParams validates this)"
+        self._stop = tuple(stop)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, chunk: str) -> tuple[str, bool]:
+        assert not self.stopped, "feed after a stop string matched"
+        buf = self._held + chunk
+        # Earliest start wins: among matches completed by this chunk, it gives the shortest output.
+        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return buf[: min(hits)], True
+        hold = self._partial_match_len(buf)
+        self._held = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        """Releases held-back text when the request ends for another reason."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_match_len(self, buf: str) -> int:
+        longest = max(len(s) for s in self._stop) - 1
+        for n in range(min(len(buf), longest), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0
+
+
+class Detokenizer(Protocol):
+    """What StopChecker needs from tokenizer.IncrementalDetokenizer."""
+
+    def push(self, new_ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class StopUpdate:
+    num_accepted: int  # leading tokens of the pushed ids that belong to the output; the rest follow the finish
+    text: str  # newly finalised text to stream ("" without a detokenizer)
+    finish_reason: Optional[str]  # "stop", "length" or None
+
+
+class StopChecker:
+    """Per-request stop state: feed generated tokens, get streamable text and the finish reason.
+
+    Tokens are examined one at a time, so several tokens from one step (speculative decoding) are cut right
+    after the first that finishes the request. Output token ids are kept as generated, including the one that
+    completed a stop string; only the text is truncated.
+    """
+
+    def __init__(
+        self, params: SamplingParams, eos_token_ids: Iterable[int], detokenizer: Optional[Detokenizer] = None
+    ):
+        if params.stop and detokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this model was loaded without tokenizer.json")
+        self.params = params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._detok = detokenizer
+        self._matcher = StopStringMatcher(params.stop) if params.stop else None
+        self.num_output = 0
+        self.finish_reason: Optional[str] = None
+
+    def update(self, new_ids: Sequence[int]) -> StopUpdate:
+        assert self.finish_reason is None, "update after the request finished"
+        text = []
+        for n, tok in enumerate(new_ids, start=1):
+            self.num_output += 1
+            reason = _token_finish_reason(tok, self.num_output, self.params, self.eos_token_ids)
+            piece = self._detok.push([tok]) if self._detok is not None else ""
+            if reason is not None and self._detok is not None:
+                piece += self._detok.flush()
+            if self._matcher is not None:
+                piece, hit = self._matcher.feed(piece)
+                if hit:
+                    reason = FINISH_STOP
+                elif reason is not None:
+                    piece += self._matcher.flush()
+            text.append(piece)
+            if reason is not None:
+                self.finish_reason = reason
+                return StopUpdate(n, "".join(text), reason)
+        return StopUpdate(len(new_ids), "".join(text), None)

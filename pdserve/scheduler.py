@@ -1,0 +1,183 @@
+"""Continuous-batching scheduler: decides, each step, which tokens of which requests the model computes.
+
+Pure bookkeeping (no model, no device): it is tested on the CPU by feeding it fake sampled tokens.
+Policy per step:
+  1. every running request that is decoding gets one token (a new page when it crosses a page boundary; when the
+     pool is exhausted the most recently arrived running request is preempted and recomputed later);
+  2. the remaining token budget goes to prefill chunks: unfinished prompts first, then waiting requests in arrival
+     order, which first reuse their longest cached prefix. A prompt longer than the budget runs in chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pdserve.kv_cache import CacheConfig
+from pdserve.prefix_cache import PrefixCache
+from pdserve.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # tokens computed per step (prefill chunk budget + decode rows)
+    max_running_requests: int = 64
+    max_model_len: int = 4096  # prompt + output tokens per request
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_running_requests", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request: Request
+    start: int  # first token index computed (== num_computed_tokens at schedule time)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's tokens, so its last row's logits are sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill) + len(self.decode)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, prefix_cache: PrefixCache):
+        self.config = config
+        self.page_size = cache.page_size
+        self.prefix_cache = prefix_cache
+        self.allocator = prefix_cache.allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- requests in and out ------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; the limit is "
+                             f"max_model_len - 1 = {self.config.max_model_len - 1}")
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Optional[Request]:
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._finish(req, FinishReason.ABORT)
+                    return req
+        return None
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Called by the engine when a running request stops (eos, stop string, length)."""
+        self.running.remove(request)
+        self._finish(request, reason)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self._publish(req)  # keep what was computed for later prompts that share it
+        self.allocator.decref(req.pages)
+        req.pages = []
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for req in sorted((r for r in self.running if r.is_decoding), key=lambda r: r.arrival_time):
+            if req.status is not RequestStatus.RUNNING or budget == 0:
+                continue  # preempted while making room for an earlier request
+            if self._reserve(req, req.num_tokens, out):
+                out.decode.append(req)
+                budget -= 1
+        # Prompts already started continue first, so a long prompt is not starved by newcomers.
+        for req in [r for r in self.running if not r.is_decoding]:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted above
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._reserve(req, req.num_computed_tokens + n, out):
+                out.prefill.append(PrefillChunk(req, req.num_computed_tokens, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            pages, cached = (self.prefix_cache.match(req.all_token_ids) if self.config.enable_prefix_cache
+                             else ([], 0))
+            n = min(req.num_tokens - cached, budget)
+            need = -(-(cached + n) // self.page_size) - len(pages)
+            new = self.prefix_cache.alloc_with_eviction(need)
+            if new is None:
+                self.allocator.decref(pages)
+                break  # the pool is full: wait for running requests to finish
+            self.waiting.popleft()
+            req.pages = pages + new
+            req.num_computed_tokens = req.num_cached_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.prefill.append(PrefillChunk(req, cached, n))
+            budget -= n
+        return out
+
+    def _reserve(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Make req's pages cover num_tokens, preempting later arrivals if the pool is exhausted."""
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        while need > 0:
+            new = self.prefix_cache.alloc_with_eviction(need)
+            if new is not None:
+                req.pages.extend(new)
+                return True
+            victim = max((r for r in self.running if r is not req and r not in out.decode
+                          and all(c.request is not r for c in out.prefill)),
+                         key=lambda r: r.arrival_time, default=None)
+            if victim is None or victim.arrival_time < req.arrival_time:
+                victim = req  # nothing later to evict: this request itself waits
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        # Recompute later from scratch (its full pages stay in the prefix cache, so little is lost).
+        self.running.remove(req)
+        self._publish(req)
+        self.allocator.decref(req.pages)
+        req.pages, req.num_computed_tokens, req.num_cached_tokens = [], 0, 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _publish(self, req: Request) -> None:
+        """Register req's full pages in the prefix cache; only tokens whose KV is written count."""
+        if self.config.enable_prefix_cache and req.num_computed_tokens:
+            self.prefix_cache.insert(req.all_token_ids[: req.num_computed_tokens], req.pages)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Account the tokens computed by the step; call it before appending the sampled tokens."""
+        for chunk in out.prefill:
+            chunk.request.advance(chunk.num_tokens, self.page_size)
+            if chunk.request.num_computed_tokens >= chunk.request.num_prompt_tokens:
+                self._publish(chunk.request)  # share the prompt with requests arriving while this one decodes
+        for req in out.decode:
+            req.advance(1, self.page_size)
