@@ -93,6 +93,22 @@ class LLMEngine:
         self._requests[request_id], self._stops[request_id] = req, stop
         return request_id
 
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams, pages: list[int],
+                      first_token: int, cached_tokens: int, rng_state: bytes = b"",
+                      arrival_time: Optional[float] = None) -> RequestOutput:
+        """Join a request whose prompt KV is already in `pages` (computed elsewhere: the decode tier) and whose
+        first token was sampled there; it continues exactly as if this engine had computed it."""
+        req = Request(request_id, list(prompt_ids), params, arrival_time=arrival_time or time.monotonic(),
+                      generator=make_generator(params.seed, self.config.device), pages=list(pages),
+                      num_computed_tokens=len(prompt_ids), num_cached_tokens=cached_tokens)
+        if rng_state and req.generator is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids) if self.tokenizer else None
+        self._stops[request_id] = StopChecker(params, () if params.ignore_eos else self.eos_token_ids, detok)
+        self._requests[request_id] = req
+        self.scheduler.admit_computed(req)
+        return self._append(req, first_token)
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

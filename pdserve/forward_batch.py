@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,6 +36,8 @@ class ForwardBatch:
     # DECODE: per row (= per token)
     page_table: Optional[torch.Tensor] = None  # (T, max_pages) int64
     seq_lens: Optional[torch.Tensor] = None  # (T,) int64
+    # Called with the KV layer index as soon as that layer's KV is written (layer-wise KV streaming in prefill).
+    layer_done: Optional[Callable[[int], None]] = None
 
     def __post_init__(self) -> None:
         t = self.input_ids.shape[0]

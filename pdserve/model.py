@@ -319,6 +319,8 @@ class DeepseekV3(nn.Module):
         cos_sin = self.rotary(batch.positions)
         for layer in self.layers:
             x = layer(x, cos_sin, batch, kv_cache)
+            if batch.layer_done is not None:
+                batch.layer_done(layer.layer_idx)
         return x
 
     @torch.no_grad()
@@ -334,4 +336,6 @@ class DeepseekV3(nn.Module):
             raise RuntimeError("this checkpoint has no NextN/MTP weights: speculative decoding is unavailable")
         mtp = self.mtp[depth]
         h = mtp(self.embed_tokens(batch.input_ids), prev_hidden, self.rotary(batch.positions), batch, kv_cache)
+        if batch.layer_done is not None:
+            batch.layer_done(mtp.block.layer_idx)
         return self.lm_head(mtp.shared_head_norm(h)).float(), h

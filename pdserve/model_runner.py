@@ -4,6 +4,7 @@ KV pool, and returns the last hidden state and logits of every row that samples.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -19,18 +20,22 @@ class ForwardOutput:
     requests: list[Request]  # the requests that sample this step, in row order
     logits: torch.Tensor  # (rows, vocab) fp32
     hidden: torch.Tensor  # (rows, D): last hidden state before the final norm (NextN's input)
+    extend_hidden: Optional[torch.Tensor] = None  # (prefill tokens, D): every prefill row's hidden state
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekV3, pool: LatentKVPool, device: torch.device):
         self.model, self.pool, self.device = model, pool, torch.device(device)
 
-    def execute(self, out: SchedulerOutput) -> ForwardOutput:
+    def execute(self, out: SchedulerOutput, layer_done: Optional[Callable[[int], None]] = None) -> ForwardOutput:
+        """layer_done(layer) is called as each layer of the prefill forward has written its KV."""
         reqs: list[Request] = []
         hidden: list[torch.Tensor] = []
+        extend_hidden = None
         if out.prefill:
             batch, rows = self.extend_batch(out.prefill)
-            h = self.model(batch, self.pool.kv)  # (T, D)
+            batch.layer_done = layer_done
+            h = extend_hidden = self.model(batch, self.pool.kv)  # (T, D)
             keep = [i for i, c in zip(rows, out.prefill) if c.samples]
             reqs += [c.request for c in out.prefill if c.samples]
             hidden.append(h[keep])
@@ -39,13 +44,37 @@ class ModelRunner:
             reqs += out.decode
             hidden.append(h)
         h = torch.cat(hidden) if hidden else torch.empty(0, self.model.cfg.hidden_size, device=self.device)
-        return ForwardOutput(reqs, self.model.logits(h) if len(reqs) else h.new_empty(0, 0), h)
+        return ForwardOutput(reqs, self.model.logits(h) if len(reqs) else h.new_empty(0, 0), h, extend_hidden)
 
-    def extend_batch(self, chunks: list[PrefillChunk]) -> tuple[ForwardBatch, list[int]]:
-        """Returns the batch and, per chunk, the row index of its last token."""
+    # ---- NextN/MTP layer KV ---------------------------------------------------------------------------------------
+    def mtp_extend(self, chunks: list[PrefillChunk], extend_hidden: torch.Tensor) -> None:
+        """Fill the MTP layer's KV at every prefill position whose next token is known: position i takes token
+        i+1 and the main model's hidden state at i (all of a chunk but a sampling chunk's last position)."""
+        batch_chunks, rows, offset = [], [], 0
+        for c in chunks:
+            n = c.num_tokens - (1 if c.samples else 0)
+            if n > 0:
+                batch_chunks.append(PrefillChunk(c.request, c.start, n))
+                rows.append(torch.arange(offset, offset + n))
+            offset += c.num_tokens
+        if not batch_chunks:
+            return
+        batch, _ = self.extend_batch(batch_chunks, shift=1)
+        self.model.mtp_forward(batch, extend_hidden[torch.cat(rows).to(extend_hidden.device)], self.pool.kv)
+
+    def mtp_decode(self, reqs: list[Request], next_tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP step at each request's last position with its newly sampled token; returns draft logits."""
+        batch = self.decode_batch(reqs)
+        batch.input_ids = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
+        logits, _ = self.model.mtp_forward(batch, hidden, self.pool.kv)
+        return logits
+
+    def extend_batch(self, chunks: list[PrefillChunk], shift: int = 0) -> tuple[ForwardBatch, list[int]]:
+        """Returns the batch and, per chunk, the row index of its last token. shift=1 feeds each position the
+        token after it (the MTP layer's input)."""
         ids, positions, slots, qo_indptr = [], [], [], [0]
         for c in chunks:
-            ids += c.request.all_token_ids[c.start: c.start + c.num_tokens]
+            ids += c.request.all_token_ids[c.start + shift: c.start + shift + c.num_tokens]
             positions.append(torch.arange(c.start, c.start + c.num_tokens))
             slots.append(self.pool.slots_for(c.request.pages, c.start, c.start + c.num_tokens))
             qo_indptr.append(qo_indptr[-1] + c.num_tokens)

@@ -37,11 +37,12 @@ class PrefillChunk:
     request: Request
     start: int  # first token index computed (== num_computed_tokens at schedule time)
     num_tokens: int
+    samples: bool = False  # the chunk reaches the end of the request's tokens: its last row is sampled
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the request's tokens, so its last row's logits are sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, start: int, num_tokens: int) -> "PrefillChunk":
+        # Decided at schedule time: once the sampled token is appended the request has one more token.
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, prefix_cache: PrefixCache):
         self.config = config
         self.page_size = cache.page_size
+        self.num_pages = cache.num_pages
         self.prefix_cache = prefix_cache
         self.allocator = prefix_cache.allocator
         self.waiting: deque[Request] = deque()
@@ -73,7 +75,19 @@ class Scheduler:
         if request.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; the limit is "
                              f"max_model_len - 1 = {self.config.max_model_len - 1}")
+        # A request that cannot fit in the whole pool would wait (or preempt itself) forever and block the queue.
+        most = min(request.num_prompt_tokens + request.params.max_new_tokens, self.config.max_model_len)
+        if -(-most // self.page_size) > self.num_pages:
+            raise ValueError(f"the request needs up to {most} tokens of KV but the pool holds "
+                             f"{self.num_pages * self.page_size} (num_pages={self.num_pages}, "
+                             f"page_size={self.page_size}); shorten it or enlarge the pool")
         self.waiting.append(request)
+
+    def admit_computed(self, request: Request) -> None:
+        """Run a request whose prompt KV is already in its pages (the decode tier receives it from prefill)."""
+        assert len(request.pages) * self.page_size >= request.num_computed_tokens, "KV beyond its pages"
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def abort(self, request_id: str) -> Optional[Request]:
         for queue in (self.running, self.waiting):
@@ -118,7 +132,7 @@ class Scheduler:
                 continue  # preempted above
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self._reserve(req, req.num_computed_tokens + n, out):
-                out.prefill.append(PrefillChunk(req, req.num_computed_tokens, n))
+                out.prefill.append(PrefillChunk.of(req, req.num_computed_tokens, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
@@ -135,7 +149,7 @@ class Scheduler:
             req.num_computed_tokens = req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.prefill.append(PrefillChunk(req, cached, n))
+            out.prefill.append(PrefillChunk.of(req, cached, n))
             budget -= n
         return out
 

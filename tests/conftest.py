@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random checkpoints written once per test session by `make_tiny_model`.
+
+The session-scoped directories are shared by every test, so a test must never modify them: one that needs a broken
+checkpoint takes `copy_model(src)` and corrupts the copy.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from pdserve.tiny_model import make_tiny_model
+
+
+def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs) -> Path:
+    out = tmp_path_factory.mktemp("tiny-models", numbered=True) / name
+    make_tiny_model(str(out), **kwargs)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_dir(tmp_path_factory) -> Path:
+    """DeepSeek-V3 layout: 3 main layers (layer 0 dense) + 1 NextN/MTP layer stored as model.layers.3.*."""
+    return _tiny(tmp_path_factory, "tiny-v3", arch="deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_v2_dir(tmp_path_factory) -> Path:
+    """DeepSeek-V2 layout: no q_lora (plain q_proj), softmax greedy routing, no MTP layer."""
+    return _tiny(tmp_path_factory, "tiny-v2", arch="deepseek_v2")
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_fp8_dir(tmp_path_factory) -> Path:
+    """tiny V3 with block-FP8 linear weights and their weight_scale_inv, as DeepSeek-V3's checkpoints."""
+    return _tiny(tmp_path_factory, "tiny-v3-fp8", arch="deepseek_v3", fp8=True)
+
+
+@pytest.fixture
+def copy_model(tmp_path) -> Callable[..., Path]:
+    """copy_model(src, name="model") -> a fresh copy of the model directory src under this test's tmp_path."""
+
+    def copy(src: Path | str, name: str = "model") -> Path:
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy
