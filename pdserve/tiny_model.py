@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from typing import Any
@@ -19,7 +18,7 @@ from pdserve.config import ModelConfig
 from pdserve.kernels import KernelBackends
 from pdserve.kernels.gemm import FP8_DTYPE, block_quant
 from pdserve.model import DeepseekV3
-from pdserve.weights import build_model, init_dummy_weights
+from pdserve.weights import build_model, checkpoint_names, init_dummy_weights, tensor_view
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -82,37 +81,9 @@ def tiny_config_dict(arch: str = "deepseek_v3", fp8: bool = False, vocab_size: i
 
 
 def export_hf_state_dict(model: DeepseekV3) -> dict[str, torch.Tensor]:
-    """The model's tensors under Hugging Face names, experts split per expert, MTP as model.layers.{L+j}."""
-    cfg = model.cfg
-    inter = cfg.moe_intermediate_size
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in list(model.named_parameters()) + [
-            (n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]:
-        if name.startswith("rotary."):
-            continue
-        if name == "lm_head.weight":
-            out[name] = tensor
-            continue
-        m = re.match(r"mtp\.(\d+)\.(block\.)?(.*)", name)
-        if m:
-            hf = f"model.layers.{cfg.num_hidden_layers + int(m.group(1))}."
-            rest = m.group(3).replace("shared_head_norm", "shared_head.norm")
-        else:
-            m = re.match(r"layers\.(\d+)\.(.*)", name)
-            hf, rest = (f"model.layers.{m.group(1)}.", m.group(2)) if m else ("model.", name)
-        e = re.match(r"mlp\.(w13|w2)(_scale_inv)?$", rest)
-        if not e:
-            out[hf + rest] = tensor
-            continue
-        kind = "weight_scale_inv" if e.group(2) else "weight"
-        rows = inter // cfg.fp8.block_n if e.group(2) else inter
-        for x in range(tensor.shape[0]):
-            if e.group(1) == "w2":
-                out[f"{hf}mlp.experts.{x}.down_proj.{kind}"] = tensor[x]
-            else:
-                out[f"{hf}mlp.experts.{x}.gate_proj.{kind}"] = tensor[x, :rows]
-                out[f"{hf}mlp.experts.{x}.up_proj.{kind}"] = tensor[x, rows:]
-    return {k: v.contiguous().clone() for k, v in out.items()}
+    """The model's tensors under Hugging Face names (the loader's own table, read backwards)."""
+    return {name: tensor_view(model, target).contiguous().clone()
+            for name, target in checkpoint_names(model).items()}
 
 
 def train_tokenizer(out_dir: str, vocab_size: int) -> int:

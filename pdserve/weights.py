@@ -37,7 +37,7 @@ class WeightsError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: a parameter, optionally a slice [row0, row1) of dim 1 of an expert."""
+    """Where one checkpoint tensor goes: a parameter, optionally one expert's slice [row0, row1) of it."""
 
     param: str
     expert: Optional[int] = None
@@ -45,7 +45,7 @@ class Target:
 
 
 # Tensors some checkpoints carry that pdserve derives or shares instead of loading.
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|(^mtp\.\d+\.(embed_tokens|shared_head\.head)\.weight$)")
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|(^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$)")
 
 
 def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
@@ -56,45 +56,56 @@ def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def hf_to_internal(name: str, cfg: ModelConfig) -> Optional[Target]:
-    """Map a checkpoint tensor name to its destination; None for tensors that belong to no module we run."""
-    if name == "lm_head.weight":
-        return Target("lm_head.weight")
-    if not name.startswith("model."):
-        return Target(name)  # reported as unexpected by the caller
-    name = name[len("model."):]
-    m = re.match(r"layers\.(\d+)\.(.*)", name)
-    if not m:
-        return Target(name)
-    idx, rest = int(m.group(1)), m.group(2)
-    if idx >= cfg.num_hidden_layers:
-        j = idx - cfg.num_hidden_layers
-        if j >= cfg.num_nextn_predict_layers:
-            return None  # MTP weights the config does not enable (as transformers does)
-        if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "embed_tokens"):
-            return Target(f"mtp.{j}.{rest}")
-        if rest.startswith("shared_head."):
-            return Target(f"mtp.{j}.{rest.replace('shared_head.norm', 'shared_head_norm')}")
-        prefix = f"mtp.{j}.block."
-    else:
-        prefix = f"layers.{idx}."
-    e = re.match(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$", rest)
-    if e:
-        expert, proj, kind = int(e.group(1)), e.group(2), e.group(3)
-        inter = cfg.moe_intermediate_size
-        if kind == "weight_scale_inv":
-            assert cfg.fp8 is not None
-            inter //= cfg.fp8.block_n
-        suffix = "" if kind == "weight" else "_scale_inv"
-        if proj == "down_proj":
-            return Target(f"{prefix}mlp.w2{suffix}", expert=expert)
-        rows = (0, inter) if proj == "gate_proj" else (inter, 2 * inter)
-        return Target(f"{prefix}mlp.w13{suffix}", expert=expert, rows=rows)
-    if rest == "mlp.experts.gate_up_proj":  # transformers' fused layout (E, 2I, D)
-        return Target(f"{prefix}mlp.w13")
-    if rest == "mlp.experts.down_proj":
-        return Target(f"{prefix}mlp.w2")
-    return Target(prefix + rest)
+def checkpoint_names(model: DeepseekV3, fused_experts: bool = False) -> dict[str, Target]:
+    """Every tensor name a checkpoint for this model must hold (Hugging Face layout) -> where it goes.
+
+    The one table both loading and exporting use. Experts are per expert (`mlp.experts.{e}.gate_proj.weight`), or
+    transformers' fused `mlp.experts.gate_up_proj` / `down_proj` with fused_experts; the NextN layer j is
+    `model.layers.{num_hidden_layers + j}.*`.
+    """
+    cfg = model.cfg
+    names: dict[str, Target] = {}
+    params = [n for n, _ in model.named_parameters() if not n.startswith("rotary.")]
+    params += [n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    for param in params:
+        m = re.match(r"mtp\.(\d+)\.(block\.)?(.*)", param)
+        if m:
+            prefix = f"model.layers.{cfg.num_hidden_layers + int(m.group(1))}."
+            rest = m.group(3).replace("shared_head_norm", "shared_head.norm")
+        elif param == "lm_head.weight":
+            prefix, rest = "", param
+        else:
+            m = re.match(r"layers\.(\d+)\.(.*)", param)
+            prefix, rest = (f"model.layers.{m.group(1)}.", m.group(2)) if m else ("model.", param)
+        e = re.match(r"mlp\.(w13|w2)(_scale_inv)?$", rest)
+        if not e:
+            names[prefix + rest] = Target(param)
+            continue
+        is_scale = bool(e.group(2))
+        if fused_experts and not is_scale:
+            names[prefix + ("mlp.experts.gate_up_proj" if e.group(1) == "w13" else "mlp.experts.down_proj")] = \
+                Target(param)
+            continue
+        kind = "weight_scale_inv" if is_scale else "weight"
+        rows = cfg.moe_intermediate_size // (cfg.fp8.block_n if is_scale else 1)
+        for x in range(cfg.n_routed_experts):
+            if e.group(1) == "w2":
+                names[f"{prefix}mlp.experts.{x}.down_proj.{kind}"] = Target(param, x)
+            else:
+                names[f"{prefix}mlp.experts.{x}.gate_proj.{kind}"] = Target(param, x, (0, rows))
+                names[f"{prefix}mlp.experts.{x}.up_proj.{kind}"] = Target(param, x, (rows, 2 * rows))
+    return names
+
+
+def tensor_view(model: DeepseekV3, target: Target) -> torch.Tensor:
+    """The part of the model's parameter a checkpoint tensor fills (a view: writes go into the model)."""
+    t = model.get_parameter(target.param) if not target.param.endswith("bias") else model.get_buffer(target.param)
+    t = t.data
+    if target.expert is not None:
+        t = t[target.expert]
+    if target.rows is not None:
+        t = t[target.rows[0]: target.rows[1]]
+    return t
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -130,13 +141,15 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, d
                 prefix_chunk_tokens: int = 4096, fp8_linears: Optional[set[str]] = None) -> DeepseekV3:
     """Allocate an uninitialised model: each parameter gets the dtype it will hold (fp8, fp32 scales, ...).
 
-    fp8_linears names the Linear modules stored in FP8 (by default every quantizable one when cfg.fp8 is set).
+    fp8_linears names (by checkpoint name, e.g. model.layers.0.self_attn.q_a_proj) the Linear modules stored in
+    FP8; by default every quantizable one is, when cfg.fp8 is set.
     """
     with torch.device("meta"):
         model = DeepseekV3(cfg, kernels, prefix_chunk_tokens)
+    hf_name = {t.param: name for name, t in checkpoint_names(model).items() if t.expert is None}
     for mod_name, module in model.named_modules():
         if isinstance(module, Linear) and module.block is not None and fp8_linears is not None \
-                and mod_name not in fp8_linears:
+                and hf_name[mod_name + ".weight"][: -len(".weight")] not in fp8_linears:
             module.block, module.weight_scale_inv = None, None  # this checkpoint stores it unquantized
         for pname, p in list(module.named_parameters(recurse=False)):
             if pname.endswith("scale_inv"):
@@ -169,9 +182,10 @@ def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, k
     assert model_dir is not None
     files = checkpoint_files(model_dir)
     keys = _checkpoint_keys(files)
-    fp8_linears = {_internal_module(k[: -len(".weight_scale_inv")], cfg) for k in keys
-                   if k.endswith(".weight_scale_inv")}
-    model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, fp8_linears if cfg.fp8 else None)
+    fp8_linears = None
+    if cfg.fp8:  # linears the checkpoint stores with block scales stay FP8; the others load unquantized
+        fp8_linears = {k[: -len(".weight_scale_inv")] for k in keys if k.endswith(".weight_scale_inv")}
+    model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, fp8_linears)
     _load_tensors(model, cfg, _iter_tensors(files, progress), keys)
     model.post_load()
     return model
@@ -185,76 +199,50 @@ def _checkpoint_keys(files: list[str]) -> set[str]:
     return keys
 
 
-def _internal_module(hf_module: str, cfg: ModelConfig) -> str:
-    target = hf_to_internal(hf_module + ".weight", cfg)
-    return target.param[: -len(".weight")] if target else ""
-
-
 def _load_tensors(model: DeepseekV3, cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]],
                   keys: set[str]) -> None:
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    filled: dict[str, int] = {}  # param -> number of pieces loaded (experts fill one param in many pieces)
-    expected_pieces = _expected_pieces(model, cfg, keys)
+    expected = checkpoint_names(model, fused_experts=any(k.endswith("mlp.experts.gate_up_proj") for k in keys))
+    seen: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in tensors:
-        target = hf_to_internal(name, cfg)
-        if target is None or _IGNORED.search(target.param):
+        if _IGNORED.search(name):
             continue
-        param = params.get(target.param)
-        if param is None:
+        target = expected.get(name)
+        if target is None:
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer and int(layer.group(1)) >= cfg.num_kv_layers:
+                continue  # NextN weights the config does not enable (transformers ignores them too)
             unexpected.append(name)
             continue
-        dest = param.data
-        if target.expert is not None:
-            dest = dest[target.expert]
-        if target.rows is not None:
-            dest = dest[target.rows[0]: target.rows[1]]
+        if name in seen:
+            raise WeightsError(f"tensor {name} appears twice in the checkpoint")
+        dest = tensor_view(model, target)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightsError(f"tensor {name} has shape {tuple(tensor.shape)} but the config implies "
                                f"{tuple(dest.shape)}; check config.json against the checkpoint")
         if tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:
             raise WeightsError(f"tensor {name} is FP8 but config.json has no fp8 quantization_config")
-        dest.copy_(tensor.to(dest.dtype) if dest.dtype != FP8_DTYPE else tensor)
-        filled[target.param] = filled.get(target.param, 0) + 1
+        dest.copy_(tensor if dest.dtype == FP8_DTYPE else tensor.to(dest.dtype))
+        seen.add(name)
     if unexpected:
         raise WeightsError(f"{len(unexpected)} checkpoint tensors match no module of this config: "
                            f"{', '.join(sorted(unexpected)[:10])}")
-    if "lm_head.weight" not in filled and cfg.tie_word_embeddings and "embed_tokens.weight" in filled:
+    if "lm_head.weight" not in seen and cfg.tie_word_embeddings and "model.embed_tokens.weight" in seen:
         model.lm_head.weight.data.copy_(model.embed_tokens.weight.data)
-        filled["lm_head.weight"] = 1
-    missing = [p for p, n in expected_pieces.items() if filled.get(p, 0) < n]
-    mtp_missing = [p for p in missing if p.startswith("mtp.")]
-    main_missing = [p for p in missing if not p.startswith("mtp.")]
+        seen.add("lm_head.weight")
+    missing = [n for n in expected if n not in seen]
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    main_missing = [n for n in missing if not n.startswith(mtp_prefix)]
+    mtp_missing = [n for n in missing if n.startswith(mtp_prefix)]
     if main_missing:
         raise WeightsError(f"checkpoint lacks {len(main_missing)} tensors: {', '.join(main_missing[:10])}")
     if mtp_missing:
-        mtp_params = [p for p in expected_pieces if p.startswith("mtp.")]
-        if len(mtp_missing) < len(mtp_params):
+        if len(mtp_missing) < sum(1 for n in expected if n.startswith(mtp_prefix)):
             raise WeightsError(f"the NextN/MTP layer is only partly present; missing: {', '.join(mtp_missing[:10])}")
         # transformers' save_pretrained drops MTP layers even when num_nextn_predict_layers is set.
         log.warning("checkpoint has no NextN/MTP weights (num_nextn_predict_layers=%d): speculative decoding "
                     "is unavailable", cfg.num_nextn_predict_layers)
         model.has_mtp_weights = False
-
-
-def _expected_pieces(model: DeepseekV3, cfg: ModelConfig, keys: set[str]) -> dict[str, int]:
-    """How many checkpoint tensors each parameter needs (stacked experts: one or three per expert)."""
-    fused = any(k.endswith("mlp.experts.gate_up_proj") for k in keys)
-    pieces: dict[str, int] = {}
-    for name, _ in model.named_parameters():
-        if name.startswith("rotary."):
-            continue
-        if re.search(r"mlp\.w13(_scale_inv)?$", name):
-            pieces[name] = 1 if fused and "scale" not in name else 2 * cfg.n_routed_experts
-        elif re.search(r"mlp\.w2(_scale_inv)?$", name):
-            pieces[name] = 1 if fused and "scale" not in name else cfg.n_routed_experts
-        else:
-            pieces[name] = 1
-    for name, _ in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            pieces[name] = 1
-    return pieces
 
 
 @torch.no_grad()

@@ -1,0 +1,213 @@
+"""The real `python -m pdserve` command line in subprocesses: generate's output matches the engine in-process,
+every user error exits 2 with one line naming the problem, make-tiny-model writes all or nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pdserve import cli
+from pdserve.config import ModelConfig
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_cache import CacheConfig
+from pdserve.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pdserve(*args, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run the CLI; stdout/stderr decoded as UTF-8 exactly (no newline translation)."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "pdserve", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode("utf-8"),
+                                       proc.stderr.decode("utf-8"))
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, command: str, *parts: str) -> str:
+    """Exit status 2, nothing on stdout, no traceback, and exactly one error line (besides [pdserve] progress)."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln and not ln.startswith("[pdserve] ")]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"pdserve {command}: error: "), lines[0]
+    for part in parts:
+        assert part in lines[0], (part, lines[0])
+    return lines[0]
+
+
+def engine_for(model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(str(model_dir), device="cpu", cache=CacheConfig(page_size=16, num_pages=64)))
+
+
+# ---- generate -------------------------------------------------------------------------------------------------------
+def test_generate_json_matches_engine(tiny_v3_dir):
+    proc = pdserve("generate", "--model", tiny_v3_dir, "--device", "cpu", "--input-ids", "1,2,3",
+                   "--max-new-tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout  # progress goes to stderr, never into the JSON
+    out = json.loads(lines[0])
+    assert isinstance(out["output_ids"], list) and len(out["output_ids"]) == 5
+    assert all(isinstance(t, int) for t in out["output_ids"])
+    assert isinstance(out["text"], str) and out["finish_reason"] == "length"
+    assert (out["prompt_tokens"], out["completion_tokens"]) == (3, 5)
+
+    ref = engine_for(tiny_v3_dir).generate([[1, 2, 3]], SamplingParams(max_new_tokens=5))[0]
+    assert out["output_ids"] == ref.output_ids and out["text"] == ref.new_text
+
+
+def test_generate_prompt_uses_the_tokenizer(tiny_v3_dir):
+    prompt = "The router sends each request"
+    proc = pdserve("generate", "--model", tiny_v3_dir, "--device", "cpu", "--prompt", prompt,
+                   "--max-new-tokens", "6", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+
+    engine = engine_for(tiny_v3_dir)
+    ref = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert ref.prompt_tokens == len(engine.tokenizer.encode(prompt)) > 1
+    assert proc.stdout == ref.new_text + "\n"  # without --json: the completion text alone
+
+
+def _drop_tensor(model_dir, name):
+    path = str(model_dir / "model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != name}
+    save_file(tensors, path)
+
+
+def _case_missing_dir(v3, copy_model, tmp_path):
+    return ["--model", tmp_path / "nope", "--input-ids", "1"], [str(tmp_path / "nope"), "does not exist"]
+
+
+def _case_malformed_config(v3, copy_model, tmp_path):
+    d = copy_model(v3)
+    (d / "config.json").write_text('{"model_type": "deepseek_v3",')
+    return ["--model", d, "--input-ids", "1"], ["config.json", "not valid JSON"]
+
+
+def _case_missing_tensor(v3, copy_model, tmp_path):
+    d = copy_model(v3)
+    _drop_tensor(d, "model.layers.1.self_attn.kv_b_proj.weight")
+    return ["--model", d, "--input-ids", "1"], ["lacks", "layers.1.self_attn.kv_b_proj.weight"]
+
+
+def _case_empty_prompt(v3, copy_model, tmp_path):
+    return ["--model", v3, "--prompt", ""], ["prompt is empty"]
+
+
+def _case_out_of_vocab(v3, copy_model, tmp_path):
+    return ["--model", v3, "--input-ids", "1,99999"], ["99999", "vocabulary", "512"]
+
+
+def _case_prompt_and_ids(v3, copy_model, tmp_path):
+    return ["--model", v3, "--prompt", "hi", "--input-ids", "1"], ["--prompt", "--input-ids", "exactly one"]
+
+
+def _case_negative_temperature(v3, copy_model, tmp_path):
+    return ["--model", v3, "--input-ids", "1", "--temperature", "-0.5"], ["temperature", "-0.5"]
+
+
+def _case_prompt_without_tokenizer(v3, copy_model, tmp_path):
+    d = copy_model(v3)
+    (d / "tokenizer.json").unlink()
+    return ["--model", d, "--prompt", "Hello"], ["tokenizer.json", "pass token ids"]
+
+
+ERROR_CASES = {
+    "missing_dir": _case_missing_dir,
+    "malformed_config": _case_malformed_config,
+    "missing_tensor": _case_missing_tensor,
+    "empty_prompt": _case_empty_prompt,
+    "out_of_vocab": _case_out_of_vocab,
+    "prompt_and_ids": _case_prompt_and_ids,
+    "negative_temperature": _case_negative_temperature,
+    "prompt_without_tokenizer": _case_prompt_without_tokenizer,
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_generate_user_errors_exit_2_with_one_line(case, tiny_v3_dir, copy_model, tmp_path):
+    args, parts = ERROR_CASES[case](tiny_v3_dir, copy_model, tmp_path)
+    proc = pdserve("generate", "--device", "cpu", "--max-new-tokens", "2", *args)
+    assert_one_line_error(proc, "generate", *parts)
+
+
+# ---- make-tiny-model ------------------------------------------------------------------------------------------------
+def snapshot(path: Path) -> dict[str, tuple[int, int, str]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(path.iterdir())}
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(".tiny-model-")]
+
+
+def test_make_tiny_model_writes_once(tmp_path):
+    out = tmp_path / "tiny"
+    proc = pdserve("make-tiny-model", out)
+    assert proc.returncode == 0, proc.stderr
+    assert str(out) in proc.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    cfg = ModelConfig.from_model_dir(str(out))
+    assert cfg.model_type == "deepseek_v3" and cfg.num_nextn_predict_layers == 1
+
+    before = snapshot(out)
+    proc = pdserve("make-tiny-model", out, "--seed", "1")
+    assert_one_line_error(proc, "make-tiny-model", str(out), "not empty")
+    assert snapshot(out) == before
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("exc, rc, out_exists", [(OSError("No space left on device"), 2, False),
+                                                  (KeyboardInterrupt(), 130, True)],
+                         ids=["disk-full", "ctrl-c-into-empty-dir"])
+def test_interrupted_make_tiny_model_leaves_nothing(tmp_path, monkeypatch, capsys, exc, rc, out_exists):
+    import pdserve.tiny_model as tiny_model
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(tiny_model, "save_file", fail)  # fails after the tokenizer is already written
+    out = tmp_path / "tiny"
+    if out_exists:
+        out.mkdir()
+    assert cli.main(["make-tiny-model", str(out)]) == rc
+    assert leftovers(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["tiny"] if out_exists else [])
+    if out_exists:
+        assert list(out.iterdir()) == []
+    if rc == 2:
+        assert "No space left on device" in capsys.readouterr().err
+
+
+def test_make_tiny_model_rejects_unknown_arch(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["make-tiny-model", str(out), "--arch", "bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--arch" in err and "bogus" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- help -----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, flags", [
+    (["--help"], ["generate", "make-tiny-model", "prefill", "decode", "router"]),
+    (["generate", "--help"], ["--model", "--prompt", "--input-ids", "--max-new-tokens", "--temperature", "--json",
+                              "--load-format", "dummy"]),
+], ids=["pdserve", "generate"])
+def test_help(args, flags):
+    proc = pdserve(*args)
+    assert proc.returncode == 0, proc.stderr
+    for flag in flags:
+        assert flag in proc.stdout, flag
