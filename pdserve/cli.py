@@ -95,6 +95,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)  # validate before the (slow) model load
     if args.prompt == "" or args.input_ids == []:
         raise UsageError("the prompt is empty: give at least one token")
+    if args.target:
+        from pdserve.serve_cli import generate_remote
+
+        return generate_remote(args, params)
     start = time.monotonic()
     engine = LLMEngine(engine_config_from_args(args), progress=_progress)
     _progress(f"model ready in {time.monotonic() - start:.1f}s ({engine.model_config.name}, "
@@ -137,7 +141,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: output_ids, text, finish_reason and token counts")
+    gen.add_argument("--target", metavar="HOST:PORT", help="send the request to a running router instead of "
+                     "loading the model here (then the engine flags are ignored)")
+    gen.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a --target (default 600)")
     gen.set_defaults(func=cmd_generate)
+
+    from pdserve import serve_cli
+
+    for role, text in (("prefill", "run a prefill worker (computes prompts, ships their KV to decode workers)"),
+                       ("decode", "run a decode worker (receives KV, streams tokens)")):
+        w = sub.add_parser(role, help=text, description=text[0].upper() + text[1:] + ".")
+        add_engine_args(w)
+        serve_cli.add_worker_args(w, role)
+        w.set_defaults(func=getattr(serve_cli, f"cmd_{role}"))
+    router = sub.add_parser("router", help="run the router (client API; picks workers, relays streams)",
+                            description="Run the router: serves pdserve.v1.Generation and routes each request to "
+                                        "a prefill and a decode worker.")
+    serve_cli.add_router_args(router)
+    router.set_defaults(func=serve_cli.cmd_router)
+
+    up = sub.add_parser("up", help="run router + prefill + decode workers locally until interrupted",
+                        description="Start a router with N prefill and M decode worker processes on this machine "
+                                    "(CPU unless a GPU is there) and stay up until Ctrl-C.")
+    add_engine_args(up)
+    ug = up.add_argument_group("stack")
+    ug.add_argument("--host", default="127.0.0.1")
+    ug.add_argument("--port", type=int, default=50051, help="router's client port (default 50051)")
+    ug.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    ug.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    ug.add_argument("--redis-url", default=None, help="Redis for discovery and prefix ownership (optional)")
+    ug.add_argument("--balance-threshold", type=int, default=4)
+    ug.add_argument("--metrics-port", type=int, default=None, help="router /metrics port (workers pick free ones)")
+    ug.add_argument("--transfer-timeout", type=float, default=300.0)
+    ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
+    up.set_defaults(func=serve_cli.cmd_up)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (with MTP + tokenizer)",
                           description="Write a small random checkpoint in Hugging Face format for demos and tests.")
@@ -156,7 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         return args.func(args)
-    except (UsageError, ConfigError, WeightsError, ValueError, FileExistsError) as e:
+    except (UsageError, ConfigError, WeightsError, ValueError, FileExistsError, OSError, RuntimeError,
+            TimeoutError) as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

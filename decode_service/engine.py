@@ -1,0 +1,129 @@
+"""The decode tier's engine: reserves pages for requests a prefill worker computes, receives their latent KV into
+those pages, and continues them in its continuously batched decode loop (absorbed MLA).
+
+Request life on this side (each step runs on the engine thread):
+  reserve() -> pages held, room registered with the receiver (waiting for KV)
+  KV layers arrive -> written into the pages;  aux arrives -> add_prefilled(): first token streamed, decoding
+  finish / abort / cancel / transfer failure -> pages freed (never leaked: every exit path goes through _release)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pdserve.engine import LLMEngine, RequestOutput
+from pdserve.grpc_shell import exhausted
+from pdserve.sampling import SamplingParams
+
+
+@dataclass
+class PendingTransfer:
+    room: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    pages: list[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    layers_received: int = 0
+
+
+class DecodeEngine:
+    def __init__(self, core: LLMEngine, receiver, num_layers_expected: int,
+                 on_output: Callable[[int, RequestOutput], None],
+                 on_failed: Callable[[int, Exception], None]):
+        """on_output(room, output) and on_failed(room, error) are called on the engine thread."""
+        self.core, self.receiver = core, receiver
+        self.pool = core.pool
+        self.num_layers_expected = num_layers_expected
+        self.on_output, self.on_failed = on_output, on_failed
+        self._rooms = itertools.count(1)
+        self.pending: dict[int, PendingTransfer] = {}
+        self.room_of: dict[str, int] = {}  # request id -> room, for requests decoding here
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_unfinished
+
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PendingTransfer:
+        if request_id in self.room_of:
+            raise ValueError(f"request_id {request_id!r} is already in use on this decode worker")
+        self.core.encode(prompt_ids)  # vocabulary check
+        if params.stop and self.core.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer and this model has no tokenizer.json")
+        if len(prompt_ids) + 1 > self.core.scheduler.config.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the limit is "
+                             f"{self.core.scheduler.config.max_model_len - 1}")
+        needed = -(-len(prompt_ids) // self.pool.page_size)
+        pages = self.core.prefix_cache.alloc_with_eviction(needed)
+        if pages is None:
+            free = self.pool.allocator.num_free
+            raise exhausted(f"no KV room on this decode worker: the prompt needs {needed} pages, {free} are free")
+        room = next(self._rooms)
+        t = PendingTransfer(room, request_id, list(prompt_ids), params, pages)
+        self.pending[room] = t
+        self.room_of[request_id] = room
+        self.receiver.expect(room, len(prompt_ids), pages, self.num_layers_expected)
+        return t
+
+    # ---- called (through the engine loop) by the receiver's callbacks -------------------------------------------
+    def kv_layer(self, room: int, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        t = self.pending.get(room)
+        if t is None:
+            return  # aborted meanwhile
+        self.pool.kv[layer].index_copy_(0, slots.to(self.pool.kv.device), values.to(self.pool.kv.device,
+                                                                                     self.pool.kv.dtype))
+        t.layers_received += 1
+
+    def kv_done(self, room: int, aux: dict) -> None:
+        t = self.pending.pop(room, None)
+        if t is None:
+            return
+        assert t.layers_received == self.num_layers_expected, "receiver reported done before every layer"
+        out = self.core.add_prefilled(t.request_id, t.prompt_ids, t.params, t.pages, int(aux["first_token_id"]),
+                                      int(aux.get("cached_tokens", 0)), aux.get("rng_state", b""), t.arrival_time)
+        self._emit(out)
+
+    def kv_failed(self, room: int, error: Exception) -> None:
+        t = self.pending.pop(room, None)
+        if t is None:
+            return
+        self._release(t)
+        self.on_failed(room, error)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        for out in self.core.step():
+            self._emit(out)
+
+    def abort(self, request_id: str) -> bool:
+        room = self.room_of.get(request_id)
+        if room is None:
+            return False
+        t = self.pending.pop(room, None)
+        if t is not None:  # still waiting for its KV
+            self.receiver.cancel(room)
+            self._release(t)
+        else:
+            self.core.abort(request_id)
+            self.room_of.pop(request_id, None)
+        return True
+
+    def _release(self, t: PendingTransfer) -> None:
+        self.pool.allocator.decref(t.pages)
+        t.pages = []
+        self.room_of.pop(t.request_id, None)
+
+    def _emit(self, out: RequestOutput) -> None:
+        room = self.room_of[out.request_id]
+        if out.finished:
+            self.room_of.pop(out.request_id, None)
+        self.on_output(room, out)
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self.pending)

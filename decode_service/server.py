@@ -1,0 +1,201 @@
+"""The decode worker process: gRPC DecodeWorker service over a DecodeEngine running on its own thread, plus the KV
+receiver that prefill workers stream into."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
+from pdserve.engine_loop import EngineLoop
+from pdserve.grpc_shell import ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving
+from pdserve.kv_transfer import KVTransferError, TRANSPORTS
+from pdserve.metrics import Metrics
+from pdserve.rpc_convert import finish_to_proto, layout_to_proto, sampling_from_proto, usage_to_proto
+from pdserve.v1 import generate_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.worker_common import WorkerIdentity, kv_layout, model_info
+
+from .engine import DecodeEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_transport: str = "tcp"
+    transfer_timeout_s: float = 300.0
+
+
+@dataclass
+class Stream:
+    """Where a request's outputs go: filled from the engine thread, drained by the Decode RPC."""
+
+    request_id: str
+    queue: asyncio.Queue
+    arrival_time: float
+    last_token_time: Optional[float] = None
+
+
+class DecodeWorker:
+    def __init__(self, config: DecodeWorkerConfig, identity: WorkerIdentity, metrics: Metrics,
+                 core: Optional[LLMEngine] = None):
+        self.config, self.identity, self.metrics = config, identity, metrics
+        self.core = core or LLMEngine(config.engine)
+        self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)
+        self.streams: dict[int, Stream] = {}  # room -> stream, touched only on the event loop
+        self.aio_loop: Optional[asyncio.AbstractEventLoop] = None
+        receiver_cls = TRANSPORTS.get(config.kv_transport).receiver
+        # Receiver callbacks run on its threads: they only queue work for the engine thread.
+        self.receiver = receiver_cls(
+            self.layout, host=config.kv_host, port=config.kv_port,
+            on_layer=lambda room, layer, slots, values: self.loop.submit(
+                lambda: self.engine.kv_layer(room, layer, slots, values)),
+            on_done=lambda room, aux: self.loop.submit(lambda: self._kv_done(room, aux)),
+            on_failed=lambda room, err: self.loop.submit(lambda: self.engine.kv_failed(room, err)),
+            timeout_s=config.transfer_timeout_s)
+        self.engine = DecodeEngine(self.core, self.receiver, self.layout.num_kv_layers,
+                                   on_output=self._output, on_failed=self._failed)
+        self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
+                               on_error=self._step_failed)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.aio_loop = loop
+        self.loop.start()
+
+    # ---- engine thread ------------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        self.engine.step()
+        sched, alloc = self.core.scheduler, self.core.pool.allocator
+        self.metrics.running.set(len(sched.running))
+        self.metrics.queue_length.set(self.engine.num_transferring)
+        self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
+
+    def _kv_done(self, room: int, aux: dict) -> None:
+        self.engine.kv_done(room, aux)
+
+    def _output(self, room: int, out: RequestOutput) -> None:
+        self.aio_loop.call_soon_threadsafe(self._deliver, room, out)
+
+    def _failed(self, room: int, error: Exception) -> None:
+        kind = getattr(error, "kind", "protocol")
+        self.metrics.count(self.metrics.transfer_failures, kind=kind)
+        self.aio_loop.call_soon_threadsafe(self._deliver, room, error)
+
+    def _step_failed(self, error: BaseException) -> None:
+        err = ServiceError(grpc.StatusCode.INTERNAL, f"decode step failed: {error}")
+        for room in list(self.streams):
+            self.aio_loop.call_soon_threadsafe(self._deliver, room, err)
+
+    # ---- event loop -------------------------------------------------------------------------------------------------
+    def _deliver(self, room: int, item) -> None:
+        stream = self.streams.get(room)
+        if stream is not None:
+            stream.queue.put_nowait(item)
+
+    def load(self) -> pb.WorkerLoad:
+        sched, alloc = self.core.scheduler, self.core.pool.allocator
+        return pb.WorkerLoad(num_running_requests=len(sched.running), num_waiting_requests=len(sched.waiting),
+                             num_free_pages=alloc.num_free, num_total_pages=alloc.num_pages,
+                             num_transferring=self.engine.num_transferring)
+
+    def info(self) -> pb.WorkerInfo:
+        return pb.WorkerInfo(worker_id=self.identity.worker_id, role=pb.WORKER_ROLE_DECODE,
+                             address=self.identity.address, layout=layout_to_proto(self.layout),
+                             model=gen_pb.ModelInfo(**model_info(self.core)), kv_endpoint=self.receiver.endpoint)
+
+
+class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker):
+        self.w = worker
+
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        w = self.w
+        try:
+            if not request.input_ids:
+                raise invalid("input_ids: the prompt is empty")
+            params = sampling_from_proto(request.sampling_params)
+            ids = list(request.input_ids)
+            t = await asyncio.wrap_future(w.loop.submit(lambda: w.engine.reserve(request.request_id, ids, params)))
+        except (ServiceError, ValueError) as e:
+            w.metrics.count(w.metrics.requests, outcome="rejected")
+            await abort_with(context, e)
+        # Registered before any output can exist: outputs are produced only after the KV arrives.
+        w.streams[t.room] = Stream(t.request_id, asyncio.Queue(), time.monotonic())
+        return pb.ReserveResponse(room=t.room, kv_endpoint=w.receiver.endpoint, dst_pages=t.pages,
+                                  layout=layout_to_proto(w.layout))
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        w = self.w
+        stream = w.streams.get(request.room)
+        if stream is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"room {request.room} is not reserved on this worker")
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, KVTransferError):
+                    w.metrics.count(w.metrics.requests, outcome="failed")
+                    code = grpc.StatusCode.DEADLINE_EXCEEDED if item.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
+                    finished = True
+                    await context.abort(code, f"KV transfer failed: {item}")
+                if isinstance(item, BaseException):
+                    finished = True
+                    await abort_with(context, item)
+                now = time.monotonic()
+                if stream.last_token_time is not None:
+                    w.metrics.itl.observe(now - stream.last_token_time)
+                stream.last_token_time = now
+                w.metrics.count(w.metrics.generated_tokens, len(item.new_token_ids))
+                msg = pb.DecodeResponse(token_ids=item.new_token_ids, text=item.new_text)
+                if item.finished:
+                    finished = True
+                    msg.finish_reason = finish_to_proto(item.finish_reason)
+                    msg.usage.CopyFrom(usage_to_proto(item.prompt_tokens, item.cached_tokens, len(item.output_ids)))
+                    w.metrics.e2e.observe(now - stream.arrival_time)
+                    w.metrics.count(w.metrics.requests, outcome="finished")
+                yield msg
+                if finished:
+                    return
+        finally:
+            w.streams.pop(request.room, None)
+            if not finished:  # the router went away (client cancelled): free the pages now
+                w.metrics.count(w.metrics.requests, outcome="aborted")
+                w.loop.submit(lambda: w.engine.abort(stream.request_id))
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        found = await asyncio.wrap_future(self.w.loop.submit(lambda: self.w.engine.abort(request.request_id)))
+        return pb.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> pb.WorkerLoad:
+        return await asyncio.wrap_future(self.w.loop.submit(self.w.load))
+
+    async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
+        return self.w.info()
+
+
+async def serve_decode(worker: DecodeWorker, grace_s: float = 5.0, ready=None) -> None:
+    server, port = create_server(worker.config.host, worker.config.port,
+                                 [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
+                                 lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), s))
+    worker.start(asyncio.get_running_loop())
+    await start_serving(server)
+    if ready is not None:
+        ready(port)
+
+    async def stop() -> None:
+        worker.loop.stop()
+        worker.receiver.close()
+
+    await serve_until_signal(server, grace_s, stop)

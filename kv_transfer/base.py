@@ -1,0 +1,295 @@
+"""The KV-transfer contract between a prefill worker (sender) and a decode worker (receiver).
+
+A decode worker reserves destination pages for a request (a *room*, a uint64 chosen by the router) and calls
+`KVReceiver.expect(room, ...)`; only then is the room handed to the prefill worker, which opens a
+`SendHandle` with `KVSender.begin(endpoint, room, num_layers)`, streams each layer's latent KV rows as that layer's
+forward finishes (`send_layer`), then the aux record (`finish`), and learns the outcome from `wait()`/`poll()`.
+
+Every failure surfaces as a `KVTransferError` with a `kind`, on both sides, instead of a hang: an incompatible
+layout is refused at the handshake, a dead peer fails its rooms promptly, and every room has a deadline.
+Transports (TCP today, NCCL/RDMA later) register a `Transport(sender, receiver)` pair in `TRANSPORTS`.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from pdserve.kernels.registry import Registry
+
+ERROR_KINDS = frozenset({"incompatible", "unreachable", "timeout", "aborted", "peer_failed", "protocol"})
+
+
+class KVTransferError(Exception):
+    """A transfer failed. `kind` is one of `ERROR_KINDS`:
+
+    incompatible: prefill and decode disagree on the KV layout (refused at the handshake).
+    unreachable: the decode KV endpoint cannot be connected to or does not answer the handshake.
+    timeout: the room did not complete within its deadline.
+    aborted: one side cancelled the room on purpose (request aborted, worker shutting down).
+    peer_failed: the other side's connection dropped while the room was in progress (process killed, network).
+    protocol: a malformed or unexpected frame (e.g. a room the decode worker never expected, a wrong token count).
+    """
+
+    def __init__(self, kind: str, message: str):
+        assert kind in ERROR_KINDS, f"unknown KVTransferError kind {kind!r}"
+        super().__init__(f"[{kind}] {message}")
+        self.kind = kind
+        self.message = message
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"KVLayout.dtype={name!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both sides must agree on before any KV byte moves (checked at the handshake)."""
+
+    model_fingerprint: str  # identifies model weights + config (same model on both sides)
+    page_size: int
+    num_kv_layers: int
+    kv_dim: int  # latent row width, 576 for DeepSeek-V3 (512 + 64 rope)
+    dtype: str  # torch dtype name of the KV rows, e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_kv_layers", "kv_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name}={getattr(self, name)} must be positive")
+        dtype_from_name(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    def mismatch(self, other: KVLayout, names: tuple[str, str] = ("prefill", "decode")) -> str | None:
+        """None if compatible, else one line naming every differing field with both values, e.g.
+        "page_size: prefill 16 vs decode 4". `self` is described as names[0], `other` as names[1]."""
+        diffs = [
+            f"{f.name}: {names[0]} {getattr(self, f.name)!r} vs {names[1]} {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        return "; ".join(diffs) if diffs else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        missing = [f.name for f in fields(cls) if f.name not in d]
+        if missing:
+            raise ValueError(f"KVLayout is missing field(s) {', '.join(missing)}")
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+class TransferState(enum.IntEnum):
+    BOOTSTRAPPING = 0  # sender: connecting / handshaking
+    WAITING_FOR_DEST = 1  # receiver: pages reserved, nothing arrived yet
+    TRANSFERRING = 2
+    DONE = 3
+    FAILED = 4
+
+
+class TransferStatus:
+    """Per-room state that only moves forward; FAILED overrides every state except DONE and is terminal.
+
+    `advance()` and `fail()` return True when they changed the state, so exactly one caller wins a terminal
+    transition (that caller delivers the completion or failure). Thread-safe.
+    """
+
+    def __init__(self, state: TransferState = TransferState.BOOTSTRAPPING):
+        self._lock = threading.Lock()
+        self.state = state
+        self.error_kind: str | None = None
+        self.error: str | None = None
+
+    def advance(self, state: TransferState) -> bool:
+        assert state != TransferState.FAILED, "use fail() to fail a transfer"
+        with self._lock:
+            if self.state == TransferState.FAILED or self.state == state:
+                return False  # failure overrides; same state is a no-op
+            # NOTE: a backwards move means two parts of the transport disagree about a room: an internal bug.
+            assert state > self.state, f"transfer state cannot move back from {self.state.name} to {state.name}"
+            self.state = state
+            return True
+
+    def fail(self, kind: str, message: str) -> bool:
+        assert kind in ERROR_KINDS, f"unknown KVTransferError kind {kind!r}"
+        with self._lock:
+            if self.state in (TransferState.DONE, TransferState.FAILED):
+                return False  # DONE stands; the first failure is the one reported
+            self.state, self.error_kind, self.error = TransferState.FAILED, kind, message
+            return True
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (TransferState.DONE, TransferState.FAILED)
+
+    def exception(self) -> KVTransferError | None:
+        if self.state != TransferState.FAILED:
+            return None
+        return KVTransferError(self.error_kind, self.error)
+
+    def __repr__(self) -> str:
+        err = f", {self.error_kind}: {self.error}" if self.error_kind else ""
+        return f"TransferStatus({self.state.name}{err})"
+
+
+def page_runs(
+    src_pages: Sequence[int], dst_pages: Sequence[int], num_tokens: int, page_size: int
+) -> list[tuple[int, int, int]]:
+    """Coalesce two page tables into `(src_first_slot, dst_first_slot, num_slots)` runs that are contiguous on
+    both sides and cover token positions `[0, num_tokens)` exactly, in token order (the last run may end inside
+    a page). One run = one memcpy / RDMA write."""
+    if page_size <= 0 or num_tokens < 0:
+        raise ValueError(f"page_size={page_size} must be positive and num_tokens={num_tokens} non-negative")
+    need = -(-num_tokens // page_size)
+    if len(src_pages) < need or len(dst_pages) < need:
+        raise ValueError(f"{num_tokens} tokens need {need} pages of {page_size}; got {len(src_pages)} source "
+                         f"and {len(dst_pages)} destination pages")
+    runs: list[tuple[int, int, int]] = []
+    for i in range(need):
+        n = min(page_size, num_tokens - i * page_size)
+        src, dst = src_pages[i] * page_size, dst_pages[i] * page_size
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((src, dst, n))
+    return runs
+
+
+def token_slots(pages: Sequence[int], num_tokens: int, page_size: int) -> torch.Tensor:
+    """Flat slot ids `(num_tokens,)` of positions `0 .. num_tokens-1` of a sequence with page table `pages`."""
+    if len(pages) * page_size < num_tokens:
+        raise ValueError(f"{len(pages)} pages of {page_size} cannot hold {num_tokens} tokens")
+    table = torch.tensor(list(pages), dtype=torch.long)  # (num_pages,)
+    pos = torch.arange(num_tokens, dtype=torch.long)  # (num_tokens,)
+    return table[pos // page_size] * page_size + pos % page_size
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes_sent: int  # payload + framing bytes of this room
+    seconds: float  # begin() to the decode worker's confirmation
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_sent / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class SendHandle(ABC):
+    """One room being sent. `send_layer`/`finish` never block on the network and never raise transfer errors
+    (once the room has failed they do nothing); the outcome is read with `wait()` or `poll()`.
+    Argument mistakes (wrong shape, dtype, duplicate layer) raise ValueError at once."""
+
+    room: int
+    status: TransferStatus
+
+    @abstractmethod
+    def send_layer(self, layer: int, values: torch.Tensor) -> None:
+        """Queue `values: (num_tokens, kv_dim)` (the prompt's latent rows of `layer` in token order). The tensor
+        is copied before this returns, so the caller may reuse or free its source pages right away."""
+
+    @abstractmethod
+    def finish(self, aux: dict[str, Any]) -> None:
+        """Queue the aux record after all layers: `first_token_id: int`, `cached_tokens: int`,
+        `hidden: Tensor (hidden,) | None`, `rng_state: bytes`; other JSON-serialisable keys pass through."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> TransferStats:
+        """Block until the decode worker confirmed the whole room; raise KVTransferError on failure.
+        `timeout=None` waits until the sender's `timeout_s` deadline. Running out of time fails the room with
+        kind "timeout" and aborts it on the decode side; use `poll()` to check without waiting."""
+
+    @abstractmethod
+    def poll(self) -> TransferState:
+        """Non-blocking: the current state (applies the deadline, like `wait`)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Prefill-side cancel: drop queued frames and tell the decode worker to release the room."""
+
+
+class KVSender(ABC):
+    """Prefill side. Constructed as `cls(layout, **options)`; thread-safe."""
+
+    @abstractmethod
+    def begin(self, endpoint: str, room: int, num_layers: int) -> SendHandle:
+        """Open `room` towards the decode endpoint (connecting and handshaking on first use, which may block for
+        the connect timeout). Raises KVTransferError "unreachable" or "incompatible"."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail every room still in flight (kind "aborted") and close all connections."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+OnLayer = Callable[[int, int, torch.Tensor, torch.Tensor], None]  # (room, layer, dst_slots, values)
+OnDone = Callable[[int, dict[str, Any]], None]  # (room, aux)
+OnFailed = Callable[[int, KVTransferError], None]  # (room, error)
+
+
+class KVReceiver(ABC):
+    """Decode side. Constructed as `cls(layout, on_layer=..., on_done=..., on_failed=..., **options)`.
+
+    Per room the callbacks arrive in this order and never overlap: `on_layer` once per layer (layer order as
+    sent), then exactly one of `on_done` / `on_failed`, and nothing after that or after `cancel()` returned True.
+    They run on the transport's threads with its lock held, so they must be cheap and must not block (enqueue
+    for the engine loop); they may call the receiver's methods.
+    """
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """Where senders connect ("host:port")."""
+
+    @abstractmethod
+    def expect(self, room: int, num_tokens: int, dst_pages: Sequence[int], num_layers: int) -> None:
+        """Register a room whose KV goes to `dst_pages`; must happen before the room is handed to prefill.
+        The room fails with kind "timeout" unless it completes within the receiver's timeout_s."""
+
+    @abstractmethod
+    def cancel(self, room: int) -> bool:
+        """Decode-side abort. True: the room was pending and is dropped, no callback follows and the caller
+        frees its pages. False: the room already finished (its on_done/on_failed was delivered) or is unknown."""
+
+    @property
+    @abstractmethod
+    def num_pending(self) -> int:
+        """Rooms expected and not yet finished."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail pending rooms (kind "aborted", via on_failed) and stop all threads."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Transport(NamedTuple):
+    sender: type[KVSender]
+    receiver: type[KVReceiver]
+
+
+TRANSPORTS: Registry[Transport] = Registry("kv transport")

@@ -1,0 +1,325 @@
+"""Decode side of the TCP KV transport: a listening socket that writes prefill's rows into reserved pages.
+
+Threads (all daemons): one accept thread, one thread per sender connection (reads frames, delivers on_layer /
+on_done and the failures it detects), one timer thread (room deadlines), one notifier thread (writes ROOM_DONE /
+ROOM_FAILED to senders, so no caller ever blocks on a slow peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .base import (
+    KVLayout, KVReceiver, KVTransferError, OnDone, OnFailed, OnLayer, TransferState, TransferStatus,
+    dtype_from_name, token_slots,
+)
+from .wire import (
+    ABORT, AUX, HELLO, HELLO_ERROR, HELLO_OK, LAYER, ROOM_DONE, ROOM_FAILED, ProtocolError, configure_socket,
+    recv_frame, send_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+_MAX_REMEMBERED = 4096  # finished rooms whose late frames are still answered with the right error kind
+
+
+class _PeerConn:
+    """One sender connection, as seen by the receiver."""
+
+    def __init__(self, sock: socket.socket, addr: str):
+        self.sock, self.addr = sock, addr
+        self.send_lock = threading.Lock()
+
+    def send(self, header: dict[str, Any]) -> None:
+        try:
+            with self.send_lock:
+                send_frame(self.sock, header)
+        except OSError:
+            pass  # the connection thread notices the broken socket and fails the rooms
+
+
+class _Room:
+    def __init__(self, room: int, num_tokens: int, dst_slots: torch.Tensor, num_layers: int, deadline: float):
+        self.room, self.num_tokens, self.dst_slots, self.num_layers = room, num_tokens, dst_slots, num_layers
+        self.deadline = deadline
+        self.status = TransferStatus(TransferState.WAITING_FOR_DEST)
+        self.layers: set[int] = set()
+        self.aux: dict[str, Any] | None = None
+        self.conn: _PeerConn | None = None  # the connection its frames came in on
+
+    def progress(self) -> str:
+        return f"{len(self.layers)}/{self.num_layers} layers, aux {'received' if self.aux is not None else 'missing'}"
+
+
+class TcpKVReceiver(KVReceiver):
+    """See `KVReceiver`. `endpoint` advertises `advertise_host` (default: `host`) and the port actually bound."""
+
+    def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, *, on_layer: OnLayer,
+                 on_done: OnDone, on_failed: OnFailed, timeout_s: float = 300.0, handshake_timeout_s: float = 10.0,
+                 advertise_host: str | None = None):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be positive")
+        self.layout, self.timeout_s, self.handshake_timeout_s = layout, timeout_s, handshake_timeout_s
+        self._on_layer, self._on_done, self._on_failed = on_layer, on_done, on_failed
+        # NOTE: re-entrant because callbacks run under it and may call cancel()/expect().
+        self._lock = threading.RLock()
+        self._rooms: dict[int, _Room] = {}
+        self._dropped: OrderedDict[int, tuple[str, str]] = OrderedDict()  # room -> (error kind, message)
+        self._conns: dict[_PeerConn, threading.Thread] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._listener = socket.create_server((host, port))
+        self._listener.settimeout(0.2)  # the accept loop checks for close() this often
+        self._endpoint = f"{advertise_host or host}:{self._listener.getsockname()[1]}"
+        tick = min(0.1, timeout_s / 5)
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="kv-recv-accept", daemon=True),
+            threading.Thread(target=self._timer_loop, args=(tick,), name="kv-recv-timer", daemon=True),
+            threading.Thread(target=self._notify_loop, name="kv-recv-notify", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- public API ----
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    def expect(self, room: int, num_tokens: int, dst_pages: Sequence[int], num_layers: int) -> None:
+        if not 0 <= room < 2**64:
+            raise ValueError(f"room={room} must be a uint64")
+        if num_tokens <= 0:
+            raise ValueError(f"num_tokens={num_tokens} must be positive")
+        if not 0 < num_layers <= self.layout.num_kv_layers:
+            raise ValueError(f"num_layers={num_layers} must be in [1, {self.layout.num_kv_layers}]")
+        slots = token_slots(dst_pages, num_tokens, self.layout.page_size)  # (num_tokens,)
+        with self._lock:
+            if self._stop.is_set():
+                raise RuntimeError("TcpKVReceiver is closed")
+            if room in self._rooms:
+                raise ValueError(f"room {room} is already expected")
+            self._dropped.pop(room, None)
+            self._rooms[room] = _Room(room, num_tokens, slots, num_layers, time.monotonic() + self.timeout_s)
+
+    def cancel(self, room: int) -> bool:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                return False
+            self._drop_locked(r, "aborted", f"room {room} was cancelled by the decode worker", callback=False)
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            for r in list(self._rooms.values()):
+                self._drop_locked(r, "aborted", f"room {r.room}: the KV receiver closed ({r.progress()})",
+                                  notify=False)
+            conns = dict(self._conns)
+        self._outbox.put(None)
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self._listener.close()
+        for conn, t in conns.items():
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread, which closes the socket
+            except OSError:
+                pass
+            t.join(timeout=2.0)
+
+    # ---- room bookkeeping (callers hold self._lock) ----
+
+    def _drop_locked(self, r: _Room, kind: str, message: str, notify: bool = True, callback: bool = True) -> None:
+        """Fail room `r` once: forget it, remember why (for late frames), tell its sender, call on_failed."""
+        if not r.status.fail(kind, message):
+            return
+        del self._rooms[r.room]
+        self._remember_locked(r.room, kind, message)
+        if notify and r.conn is not None:
+            self._outbox.put((r.conn, {"kind": ROOM_FAILED, "room": r.room, "error_kind": kind, "message": message}))
+        if callback:
+            self._call(self._on_failed, r.room, KVTransferError(kind, message))
+
+    def _remember_locked(self, room: int, kind: str, message: str) -> None:
+        self._dropped[room] = (kind, message)
+        while len(self._dropped) > _MAX_REMEMBERED:
+            self._dropped.popitem(last=False)
+
+    @staticmethod
+    def _call(fn: Callable[..., None], *args: Any) -> bool:
+        try:
+            fn(*args)
+            return True
+        except Exception:
+            logger.exception("KV receiver callback %s raised", getattr(fn, "__name__", fn))
+            return False
+
+    # ---- frames ----
+
+    def _on_data(self, conn: _PeerConn, kind: str, header: dict[str, Any], payload: torch.Tensor) -> None:
+        room = header.get("room")
+        if not isinstance(room, int):
+            raise ProtocolError(f"{kind} frame without an integer room: {header!r}")
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                if kind != ABORT:  # an ABORT for a finished room needs no answer
+                    err_kind, message = self._dropped.get(room, (
+                        "protocol", f"room {room} is not expected by this decode worker (expect() must be called "
+                                    f"before the room is handed to prefill)"))
+                    self._outbox.put((conn, {"kind": ROOM_FAILED, "room": room, "error_kind": err_kind,
+                                             "message": message}))
+                return
+            r.conn = conn
+            if kind == ABORT:
+                self._drop_locked(r, "aborted", f"room {room} was aborted by the prefill worker ({r.progress()})",
+                                  notify=False)
+                return
+            try:
+                if kind == LAYER:
+                    layer, values = self._parse_layer(r, header, payload)
+                else:
+                    aux = self._parse_aux(r, header, payload)
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                self._drop_locked(r, "protocol", f"room {room}: bad {kind} frame: {e}")
+                return
+            r.status.advance(TransferState.TRANSFERRING)
+            if kind == LAYER:
+                r.layers.add(layer)
+                if not self._call(self._on_layer, room, layer, r.dst_slots, values):
+                    self._drop_locked(r, "aborted", f"room {room}: the decode worker's on_layer callback raised")
+                    return
+            else:
+                r.aux = aux
+            if len(r.layers) == r.num_layers and r.aux is not None:
+                r.status.advance(TransferState.DONE)
+                del self._rooms[room]
+                self._remember_locked(room, "protocol", f"room {room} already completed")
+                self._outbox.put((conn, {"kind": ROOM_DONE, "room": room}))
+                self._call(self._on_done, room, r.aux)
+
+    def _parse_layer(self, r: _Room, header: dict[str, Any], payload: torch.Tensor) -> tuple[int, torch.Tensor]:
+        layer, n = header["layer"], header["num_tokens"]
+        if not (isinstance(layer, int) and 0 <= layer < r.num_layers):
+            raise ValueError(f"layer {layer!r} is outside the room's {r.num_layers} layers")
+        if layer in r.layers:
+            raise ValueError(f"layer {layer} arrived twice")
+        if n != r.num_tokens:
+            raise ValueError(f"prefill sent {n} tokens, decode expected {r.num_tokens}")
+        itemsize = self.layout.torch_dtype.itemsize
+        if payload.numel() != n * self.layout.kv_dim * itemsize:
+            raise ValueError(f"payload of {payload.numel()} bytes is not {n} x {self.layout.kv_dim} x {itemsize}")
+        return layer, payload.view(self.layout.torch_dtype).view(n, self.layout.kv_dim)  # (num_tokens, kv_dim)
+
+    @staticmethod
+    def _parse_aux(r: _Room, header: dict[str, Any], payload: torch.Tensor) -> dict[str, Any]:
+        if r.aux is not None:
+            raise ValueError("aux arrived twice")
+        aux = dict(header["fields"])
+        h_bytes, rng_bytes = header["hidden_nbytes"], header["rng_nbytes"]
+        if h_bytes + rng_bytes != payload.numel():
+            raise ValueError(f"aux payload of {payload.numel()} bytes, header says {h_bytes} + {rng_bytes}")
+        aux["hidden"] = None
+        if header.get("hidden_dtype") is not None:
+            aux["hidden"] = payload[:h_bytes].view(dtype_from_name(header["hidden_dtype"])).view(
+                header["hidden_shape"])
+        aux["rng_state"] = payload[h_bytes:].numpy().tobytes()
+        return aux
+
+    # ---- threads ----
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                logger.exception("KV receiver %s: accept failed", self._endpoint)
+                time.sleep(0.1)
+                continue
+            conn = _PeerConn(sock, f"{addr[0]}:{addr[1]}")
+            t = threading.Thread(target=self._serve, args=(conn,), name=f"kv-recv-{conn.addr}", daemon=True)
+            with self._lock:
+                if self._stop.is_set():
+                    sock.close()
+                    return
+                self._conns[conn] = t
+            t.start()
+
+    def _serve(self, conn: _PeerConn) -> None:
+        kind, why = "peer_failed", f"the prefill connection from {conn.addr} closed mid-transfer"
+        try:
+            conn.sock.settimeout(self.handshake_timeout_s)
+            configure_socket(conn.sock)
+            if not self._handshake(conn):
+                return
+            conn.sock.settimeout(None)
+            while not self._stop.is_set():
+                frame = recv_frame(conn.sock)
+                if frame is None:
+                    break
+                header, payload = frame
+                if header["kind"] not in (LAYER, AUX, ABORT):
+                    raise ProtocolError(f"unexpected {header['kind']} frame")
+                self._on_data(conn, header["kind"], header, payload)
+        except ProtocolError as e:
+            kind, why = "protocol", f"the prefill connection from {conn.addr} sent garbage ({e})"
+        except OSError as e:
+            why += f" ({e})"
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+                for r in [r for r in self._rooms.values() if r.conn is conn]:
+                    self._drop_locked(r, kind, f"room {r.room}: {why} after {r.progress()}", notify=False)
+            conn.sock.close()
+
+    def _handshake(self, conn: _PeerConn) -> bool:
+        frame = recv_frame(conn.sock)
+        if frame is None:
+            return False
+        header, _ = frame
+        try:
+            if header["kind"] != HELLO:
+                raise ValueError(f"expected HELLO, got {header['kind']}")
+            problem = KVLayout.from_dict(header["layout"]).mismatch(self.layout, ("prefill", "decode"))
+        except (ValueError, KeyError, TypeError) as e:
+            problem = f"bad HELLO: {e}"
+        if problem:
+            logger.warning("KV receiver %s refused prefill %s: %s", self._endpoint, conn.addr, problem)
+            conn.send({"kind": HELLO_ERROR, "message": f"KV layout mismatch: {problem}"})
+            return False
+        conn.send({"kind": HELLO_OK})
+        return True
+
+    def _timer_loop(self, tick: float) -> None:
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                for r in [r for r in self._rooms.values() if now >= r.deadline]:
+                    self._drop_locked(r, "timeout", f"room {r.room}: the KV transfer did not complete within "
+                                                    f"{self.timeout_s:g} s of expect() ({r.progress()})")
+
+    def _notify_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            conn, header = item
+            conn.send(header)
+

@@ -1,0 +1,290 @@
+"""Prefill side of the TCP KV transport: one connection per decode endpoint, shared by all rooms sent there.
+
+Threads per connection (daemons): a writer that drains the connection's frame queue (so `send_layer` returns
+at once and the next layer's forward overlaps the transfer) and a reader that applies the decode worker's
+ROOM_DONE / ROOM_FAILED answers and notices a dead connection.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .base import (
+    ERROR_KINDS, KVLayout, KVSender, KVTransferError, SendHandle, TransferState, TransferStats, TransferStatus,
+    dtype_name,
+)
+from .wire import (
+    ABORT, AUX, HELLO, HELLO_ERROR, HELLO_OK, LAYER, ROOM_DONE, ROOM_FAILED, VERSION, ProtocolError,
+    configure_socket, encode_frame, frame_nbytes, parse_endpoint, recv_frame, send_frame, tensor_bytes, write_frame,
+)
+
+
+class _Connection:
+    def __init__(self, endpoint: str, sock: socket.socket):
+        self.endpoint, self.sock = endpoint, sock
+        self.lock = threading.Lock()
+        self.handles: dict[int, TcpSendHandle] = {}
+        self.broken: KVTransferError | None = None
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (handle, frame kind, frame buffers) or None
+        self.writer = threading.Thread(target=self._write_loop, name=f"kv-send-w-{endpoint}", daemon=True)
+        self.reader = threading.Thread(target=self._read_loop, name=f"kv-send-r-{endpoint}", daemon=True)
+        self.writer.start()
+        self.reader.start()
+
+    def register(self, handle: TcpSendHandle) -> bool:
+        with self.lock:
+            if self.broken is not None:
+                return False
+            if handle.room in self.handles:
+                raise ValueError(f"room {handle.room} is already being sent to {self.endpoint}")
+            self.handles[handle.room] = handle
+            return True
+
+    def unregister(self, handle: TcpSendHandle) -> None:
+        with self.lock:
+            if self.handles.get(handle.room) is handle:
+                del self.handles[handle.room]
+
+    def put(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes) -> None:
+        frame = encode_frame({"kind": kind, "room": handle.room, **header}, *payload)
+        handle._bytes += frame_nbytes(frame)
+        self.queue.put((handle, kind, frame))
+
+    def break_(self, error: KVTransferError) -> None:
+        """Fail every room on this connection with `error` and stop both threads (idempotent)."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = error
+            handles = list(self.handles.values())
+        for h in handles:
+            h._fail(error.kind, error.message)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.queue.put(None)
+
+    def _write_loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            handle, kind, frame = item
+            if kind != ABORT and handle.status.state == TransferState.FAILED:
+                continue  # the room is dead: drop its remaining frames so the link is free for the others
+            try:
+                write_frame(self.sock, frame)
+            except OSError as e:
+                self.break_(KVTransferError("peer_failed", f"sending to decode KV endpoint {self.endpoint} "
+                                                           f"failed: {e}"))
+                return
+
+    def _read_loop(self) -> None:
+        try:
+            while (frame := recv_frame(self.sock)) is not None:
+                header, _ = frame
+                with self.lock:
+                    handle = self.handles.get(header.get("room"))
+                if header["kind"] not in (ROOM_DONE, ROOM_FAILED):
+                    raise ProtocolError(f"unexpected {header['kind']} frame")
+                if handle is None:
+                    continue  # the room already finished here (aborted or timed out locally)
+                if header["kind"] == ROOM_DONE:
+                    handle._complete()
+                else:
+                    kind = header.get("error_kind")
+                    handle._fail(kind if kind in ERROR_KINDS else "protocol",
+                                 f"decode KV endpoint {self.endpoint}: {header.get('message')}")
+            error = KVTransferError("peer_failed", f"decode KV endpoint {self.endpoint} closed the connection")
+        except (ProtocolError, TypeError) as e:
+            error = KVTransferError("protocol", f"decode KV endpoint {self.endpoint} sent garbage: {e}")
+        except OSError as e:
+            error = KVTransferError("peer_failed", f"connection to decode KV endpoint {self.endpoint} lost: {e}")
+        self.break_(error)
+        self.writer.join()
+        self.sock.close()  # NOTE: only once both threads are done with it, so its fd is never reused under them
+
+
+class TcpSendHandle(SendHandle):
+    """See `SendHandle`. Use one handle from one thread; different handles may be used from different threads."""
+
+    def __init__(self, conn: _Connection, room: int, num_layers: int, layout: KVLayout, timeout_s: float):
+        self.room, self.num_layers, self.layout = room, num_layers, layout
+        self.status = TransferStatus(TransferState.BOOTSTRAPPING)
+        self._conn, self._timeout_s = conn, timeout_s
+        self._layers: set[int] = set()
+        self._num_tokens: int | None = None
+        self._finished = False
+        self._bytes = 0
+        self._event = threading.Event()
+        self._t0 = time.monotonic()
+        self._t_end: float | None = None
+        self._deadline = self._t0 + timeout_s
+
+    def send_layer(self, layer: int, values: torch.Tensor) -> None:
+        if self._finished:
+            raise ValueError(f"room {self.room}: send_layer({layer}) after finish()")
+        if not 0 <= layer < self.num_layers or layer in self._layers:
+            raise ValueError(f"room {self.room}: layer {layer} is out of range [0, {self.num_layers}) or repeated")
+        if values.dim() != 2 or values.shape[1] != self.layout.kv_dim or values.shape[0] == 0:
+            raise ValueError(f"room {self.room}: values of shape {tuple(values.shape)}, expected "
+                             f"(num_tokens > 0, kv_dim={self.layout.kv_dim})")
+        if values.dtype != self.layout.torch_dtype:
+            raise ValueError(f"room {self.room}: values are {values.dtype}, the layout says {self.layout.dtype}")
+        if self._num_tokens is not None and values.shape[0] != self._num_tokens:
+            raise ValueError(f"room {self.room}: layer {layer} has {values.shape[0]} tokens, earlier layers "
+                             f"{self._num_tokens}")
+        self._num_tokens = values.shape[0]
+        self._layers.add(layer)
+        if self.status.state == TransferState.FAILED:
+            return
+        # NOTE: copied here, so the caller may overwrite or free the source pages as soon as this returns.
+        rows = values.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)  # (num_tokens, kv_dim)
+        self._conn.put(self, LAYER, {"layer": layer, "num_tokens": self._num_tokens}, tensor_bytes(rows))
+
+    def finish(self, aux: dict[str, Any]) -> None:
+        if self._finished:
+            raise ValueError(f"room {self.room}: finish() called twice")
+        missing = sorted(set(range(self.num_layers)) - self._layers)
+        if missing:
+            raise ValueError(f"room {self.room}: finish() before layer(s) {missing} were sent")
+        for key in ("first_token_id", "cached_tokens"):
+            if not isinstance(aux.get(key), int):
+                raise ValueError(f"room {self.room}: aux[{key!r}] must be an int, got {aux.get(key)!r}")
+        hidden, rng = aux.get("hidden"), bytes(aux.get("rng_state") or b"")
+        header: dict[str, Any] = {
+            "fields": {k: v for k, v in aux.items() if k not in ("hidden", "rng_state")},
+            "hidden_dtype": None, "hidden_shape": None, "hidden_nbytes": 0, "rng_nbytes": len(rng),
+        }
+        payload = [rng]
+        if hidden is not None:
+            h = hidden.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+            header.update(hidden_dtype=dtype_name(h.dtype), hidden_shape=list(h.shape),
+                          hidden_nbytes=h.numel() * h.element_size())
+            payload.insert(0, tensor_bytes(h))
+        if self.status.state != TransferState.FAILED:
+            self._conn.put(self, AUX, header, *payload)
+        self._finished = True
+
+    def wait(self, timeout: float | None = None) -> TransferStats:
+        limit = self._deadline - time.monotonic() if timeout is None else timeout
+        if not self._event.wait(max(0.0, limit)):
+            self._expire(self._timeout_s if timeout is None else timeout)
+        error = self.status.exception()
+        if error is not None:
+            raise error
+        return TransferStats(self._bytes, self._t_end - self._t0)
+
+    def poll(self) -> TransferState:
+        if not self.status.finished and time.monotonic() >= self._deadline:
+            self._expire(self._timeout_s)
+        return self.status.state
+
+    def abort(self) -> None:
+        if self._fail("aborted", f"room {self.room} was aborted by the prefill worker"):
+            self._conn.put(self, ABORT, {})
+
+    def _expire(self, seconds: float) -> None:
+        if self._fail("timeout", f"room {self.room}: decode KV endpoint {self._conn.endpoint} did not confirm "
+                                 f"the transfer within {seconds:g} s"):
+            self._conn.put(self, ABORT, {})  # let the decode worker release the pages now, not at its deadline
+
+    # ---- called by the connection's threads ----
+
+    def _complete(self) -> None:
+        if self.status.advance(TransferState.DONE):
+            self._t_end = time.monotonic()
+            self._conn.unregister(self)
+            self._event.set()
+
+    def _fail(self, kind: str, message: str) -> bool:
+        if not self.status.fail(kind, message):
+            return False
+        self._t_end = time.monotonic()
+        self._conn.unregister(self)
+        self._event.set()
+        return True
+
+
+class TcpKVSender(KVSender):
+    """See `KVSender`. Connections are made on first use per endpoint, reused, and remade once broken."""
+
+    def __init__(self, layout: KVLayout, connect_timeout_s: float = 5.0, timeout_s: float = 300.0):
+        self.layout, self.connect_timeout_s, self.timeout_s = layout, connect_timeout_s, timeout_s
+        self._lock = threading.Lock()
+        self._conns: dict[str, _Connection] = {}
+        self._connect_locks: dict[str, threading.Lock] = {}
+        self._closed = False
+
+    def begin(self, endpoint: str, room: int, num_layers: int) -> TcpSendHandle:
+        if not 0 <= room < 2**64:
+            raise ValueError(f"room={room} must be a uint64")
+        if not 0 < num_layers <= self.layout.num_kv_layers:
+            raise ValueError(f"num_layers={num_layers} must be in [1, {self.layout.num_kv_layers}]")
+        for _ in range(2):  # a connection that broke between lookup and registration is remade once
+            conn = self._connection(endpoint)
+            handle = TcpSendHandle(conn, room, num_layers, self.layout, self.timeout_s)
+            if conn.register(handle):
+                handle.status.advance(TransferState.TRANSFERRING)
+                return handle
+        raise conn.broken
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._conns = list(self._conns.values()), {}
+        for c in conns:
+            c.break_(KVTransferError("aborted", "the KV sender was closed"))
+        for c in conns:
+            c.reader.join(timeout=2.0)
+
+    def _connection(self, endpoint: str) -> _Connection:
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("aborted", "the KV sender is closed")
+            connect_lock = self._connect_locks.setdefault(endpoint, threading.Lock())
+        with connect_lock:  # one handshake per endpoint at a time; other endpoints are not held up
+            conn = self._conns.get(endpoint)
+            if conn is not None and conn.broken is None:
+                return conn
+            conn = _Connection(endpoint, self._connect(endpoint))
+            with self._lock:
+                if self._closed:
+                    conn.break_(KVTransferError("aborted", "the KV sender is closed"))
+                    raise conn.broken
+                self._conns[endpoint] = conn
+            return conn
+
+    def _connect(self, endpoint: str) -> socket.socket:
+        host, port = parse_endpoint(endpoint)
+        try:
+            sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
+        except OSError as e:
+            raise KVTransferError("unreachable", f"cannot connect to decode KV endpoint {endpoint}: {e}") from None
+        try:
+            configure_socket(sock)
+            send_frame(sock, {"kind": HELLO, "version": VERSION, "layout": self.layout.to_dict()})
+            reply = recv_frame(sock)
+            if reply is None:
+                raise ConnectionError("it closed the connection")
+            if reply[0]["kind"] == HELLO_ERROR:
+                raise KVTransferError("incompatible", f"decode KV endpoint {endpoint} refused this prefill "
+                                                      f"worker: {reply[0].get('message')}")
+            if reply[0]["kind"] != HELLO_OK:
+                raise ProtocolError(f"unexpected {reply[0]['kind']} frame")
+        except OSError as e:
+            sock.close()
+            raise KVTransferError("unreachable", f"decode KV endpoint {endpoint} did not complete the handshake "
+                                                 f"within {self.connect_timeout_s:g} s: {e}") from None
+        except ProtocolError as e:
+            sock.close()
+            raise KVTransferError("protocol", f"decode KV endpoint {endpoint} is not a pdserve KV endpoint: {e}") \
+                from None
+        except KVTransferError:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return sock

@@ -1,0 +1,75 @@
+"""The worker's engine thread: one obvious loop that owns the engine.
+
+Everything that touches engine state (admitting requests, aborts, KV arriving from a peer) is a command run on this
+thread, so the scheduler, allocator and KV pool need no locks, and GPU work never runs on the gRPC event loop:
+
+    while running:
+        run queued commands          # admissions, aborts, received KV
+        if work: outputs = step()    # schedule() -> execute() -> update()
+        else:    sleep until a command arrives
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, step: Callable[[], Any], has_work: Callable[[], bool], name: str = "engine-loop",
+                 on_error: Optional[Callable[[BaseException], None]] = None):
+        self._step, self._has_work, self._on_error = step, has_work, on_error
+        self._inbox: queue.SimpleQueue[Optional[tuple[Callable[[], Any], Future]]] = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the engine thread; the future carries its result or exception."""
+        fut: Future = Future()
+        if self._stopped.is_set():
+            fut.set_exception(RuntimeError("the engine loop has stopped"))
+            return fut
+        self._inbox.put((fn, fut))
+        return fut
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to the caller through the future
+                    fut.set_exception(e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._run_commands(block=not self._has_work())
+                if self._has_work():
+                    self._step()
+            except BaseException as e:  # a bug in a step: report it, keep the worker alive for other requests
+                log.exception("engine step failed")
+                if self._on_error:
+                    self._on_error(e)

@@ -1,0 +1,86 @@
+"""Prometheus metrics, one registry per process, served on /metrics by every pdserve process.
+
+Names are `pdserve_*` with units in the name; labels are few and bounded (role, outcome, reason). Objects are
+created per process (not module globals mutated at start-up) and passed to whoever records.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry
+    requests: Counter  # by outcome: finished, aborted, failed, rejected
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_length: Gauge
+    running: Gauge
+    kv_pool_usage: Gauge
+    prefix_hit_tokens: Counter
+    prompt_tokens: Counter
+    generated_tokens: Counter
+    transfer_bytes: Counter
+    transfer_seconds: Histogram
+    transfer_failures: Counter
+    router_decisions: Counter  # by reason: prefix_hit, load
+    redis_errors: Counter
+
+    @classmethod
+    def create(cls, role: str) -> "Metrics":
+        r = CollectorRegistry()
+        const = {"role": role}
+
+        def counter(name, doc, labels=()):
+            # Counters keep their extra labels open; record through Metrics.count, which adds the role.
+            return Counter(name, doc, ["role", *labels], registry=r)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["role"], registry=r).labels(**const)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, ["role"], buckets=buckets, registry=r).labels(**const)
+
+        m = cls(
+            registry=r,
+            requests=counter("pdserve_requests", "Requests by outcome (finished, aborted, failed, rejected)",
+                             ["outcome"]),
+            ttft=hist("pdserve_time_to_first_token_seconds", "Time from arrival to the first token", LATENCY_BUCKETS),
+            itl=hist("pdserve_inter_token_latency_seconds", "Time between consecutive streamed tokens", ITL_BUCKETS),
+            e2e=hist("pdserve_e2e_request_latency_seconds", "Time from arrival to the last token", LATENCY_BUCKETS),
+            queue_length=gauge("pdserve_num_queue_reqs", "Requests waiting to be scheduled"),
+            running=gauge("pdserve_num_running_reqs", "Requests being computed"),
+            kv_pool_usage=gauge("pdserve_kv_pool_usage_ratio", "Fraction of KV pages held by requests"),
+            prefix_hit_tokens=counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+            prompt_tokens=counter("pdserve_prompt_tokens", "Prompt tokens received"),
+            generated_tokens=counter("pdserve_generation_tokens", "Tokens generated"),
+            transfer_bytes=counter("pdserve_kv_transfer_bytes", "KV bytes sent or received"),
+            transfer_seconds=hist("pdserve_kv_transfer_seconds", "KV transfer time per request", TRANSFER_BUCKETS),
+            transfer_failures=counter("pdserve_kv_transfer_failures", "Requests whose KV transfer failed", ["kind"]),
+            router_decisions=counter("pdserve_router_decisions", "Prefill worker choices by reason", ["reason"]),
+            redis_errors=counter("pdserve_redis_errors", "Failed Redis calls (routing degrades to load only)"),
+        )
+        m._role = role  # type: ignore[attr-defined]
+        return m
+
+    def count(self, counter: Counter, amount: float = 1.0, **labels: str) -> None:
+        counter.labels(role=self._role, **labels).inc(amount)  # type: ignore[attr-defined]
+
+
+_server_lock = threading.Lock()
+
+
+def serve_metrics(metrics: Metrics, port: int, host: str = "0.0.0.0") -> int:
+    """Serve /metrics over HTTP; port 0 picks a free port. Returns the port."""
+    with _server_lock:
+        server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    return server.server_port

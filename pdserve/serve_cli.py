@@ -1,0 +1,318 @@
+"""`pdserve prefill | decode | router | up` and the gRPC client side of `pdserve generate --target`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+log = logging.getLogger("pdserve")
+DEFAULT_MODEL_DIR = os.path.join("models", "tiny-deepseek-v3")
+
+
+def _say(msg: str) -> None:
+    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+
+def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    g = p.add_argument_group(f"{role} worker")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one, printed at start)")
+    g.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
+    g.add_argument("--worker-id", default=None, help="stable id (default: role-hostname-pid-random)")
+    g.add_argument("--kv-transport", default="tcp", choices=["tcp"], help="how KV moves between tiers")
+    g.add_argument("--transfer-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a KV transfer may take before the request fails (default 300)")
+    g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    g.add_argument("--redis-url", default=None,
+                   help="register in Redis for discovery (and, prefill, publish prefix-cache ownership)")
+    if role == "decode":
+        g.add_argument("--kv-host", default=None, help="KV receiver address (default: --host)")
+        g.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = a free one)")
+
+
+def _identity(args, role: str, port: int):
+    from pdserve.worker_common import WorkerIdentity, new_worker_id
+
+    host = args.advertise_host or (args.host if args.host != "0.0.0.0" else socket.gethostname())
+    return WorkerIdentity(args.worker_id or new_worker_id(role), role, f"{host}:{port}")
+
+
+def _serve_metrics(metrics, port: Optional[int]) -> Optional[int]:
+    if port is None:
+        return None
+    from pdserve.metrics import serve_metrics
+
+    return serve_metrics(metrics, port)
+
+
+def _register(args, worker, role: str, metrics_port: Optional[int]):
+    if not args.redis_url:
+        return None
+    from pdserve.router.registry import WorkerRegistration
+
+    reg = WorkerRegistration(args.redis_url)
+    reg.start({"worker_id": worker.identity.worker_id, "role": role, "address": worker.identity.address,
+               "metrics_port": metrics_port})
+    return reg
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from pdserve.cli import engine_config_from_args
+    from pdserve.metrics import Metrics
+    from pdserve.prefill_service.publisher import OwnershipPublisher
+    from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
+
+    config = PrefillWorkerConfig(engine_config_from_args(args), host=args.host, port=args.port,
+                                 kv_transport=args.kv_transport, transfer_timeout_s=args.transfer_timeout)
+    metrics = Metrics.create("prefill")
+    worker = PrefillWorker(config, _identity(args, "prefill", args.port), metrics)
+    state = {}
+
+    def ready(port: int) -> None:
+        worker.identity = dataclasses.replace(worker.identity, address=_identity(args, "prefill", port).address)
+        mport = _serve_metrics(metrics, args.metrics_port)
+        if args.redis_url:
+            from pdserve.router.ownership import RedisOwnership
+
+            store = RedisOwnership(args.redis_url)
+            try:  # a restarted worker with a stable id holds nothing yet
+                store.drop_worker(worker.identity.worker_id)
+            except Exception as e:
+                log.warning("could not clear old prefix ownership in Redis: %s", e)
+            state["publisher"] = OwnershipPublisher(store, worker.identity.worker_id, metrics).start()
+            worker.publishers.append(state["publisher"])
+        state["registration"] = _register(args, worker, "prefill", mport)
+        _say(f"prefill worker {worker.identity.worker_id} serving on {worker.identity.address}"
+             + (f", metrics on :{mport}" if mport else ""))
+
+    asyncio.run(serve_prefill(worker, ready=ready))
+    for key in ("registration", "publisher"):
+        if state.get(key):
+            state[key].stop()
+    return 0
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from pdserve.cli import engine_config_from_args
+    from pdserve.decode_service.server import DecodeWorker, DecodeWorkerConfig, serve_decode
+    from pdserve.metrics import Metrics
+
+    engine = engine_config_from_args(args)
+    # Decode keeps no prefix cache: its pages come from prefill and return to the pool when a request ends.
+    engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, enable_prefix_cache=False))
+    config = DecodeWorkerConfig(engine, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
+                                kv_port=args.kv_port, kv_transport=args.kv_transport,
+                                transfer_timeout_s=args.transfer_timeout)
+    metrics = Metrics.create("decode")
+    worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics)
+    state = {}
+
+    def ready(port: int) -> None:
+        worker.identity = dataclasses.replace(worker.identity, address=_identity(args, "decode", port).address)
+        mport = _serve_metrics(metrics, args.metrics_port)
+        state["registration"] = _register(args, worker, "decode", mport)
+        _say(f"decode worker {worker.identity.worker_id} serving on {worker.identity.address}, KV receiver on "
+             f"{worker.receiver.endpoint}" + (f", metrics on :{mport}" if mport else ""))
+
+    asyncio.run(serve_decode(worker, ready=ready))
+    if state.get("registration"):
+        state["registration"].stop()
+    return 0
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=50051, help="client gRPC port (default 50051)")
+    g.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeat)")
+    g.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeat)")
+    g.add_argument("--redis-url", default=None,
+                   help="discover workers and read prefix ownership from Redis (else in-process ownership)")
+    g.add_argument("--model", default=None, metavar="DIR", help="model directory for the tokenizer (text prompts)")
+    g.add_argument("--balance-threshold", type=int, default=4,
+                   help="extra requests tolerated on the prefix owner before load decides (default 4)")
+    g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+
+
+async def run_router(args: argparse.Namespace, on_ready=None) -> None:
+    from pdserve.grpc_shell import serve_until_signal
+    from pdserve.metrics import Metrics
+    from pdserve.router.ownership import OWNERSHIP_STORES
+    from pdserve.router.server import Router, RouterConfig, start_router
+    from pdserve.router.workers import WorkerPool
+    from pdserve.tokenizer import Tokenizer
+
+    metrics = Metrics.create("router")
+    if args.redis_url:
+        from pdserve.router.ownership import redis_client
+        from pdserve.router.registry import RegistryUnavailable, discover_workers
+
+        client = redis_client(args.redis_url)
+
+        def discover(role: str):
+            try:
+                return [w["address"] for w in discover_workers(client, role)]
+            except RegistryUnavailable:  # Redis away: keep the workers we know
+                metrics.count(metrics.redis_errors)
+                return None
+        ownership = OWNERSHIP_STORES.get("redis")(args.redis_url)
+    else:
+        discover = None
+        ownership = OWNERSHIP_STORES.get("memory")()
+    pool = WorkerPool({"prefill": args.prefill, "decode": args.decode}, discover)
+    tokenizer = Tokenizer.from_model_dir(args.model) if args.model else None
+    router = Router(RouterConfig(args.host, args.port, args.balance_threshold,
+                                 records_ownership=not args.redis_url), pool, ownership, metrics, tokenizer)
+    server, port = await start_router(router)
+    mport = _serve_metrics(metrics, args.metrics_port)
+    _say(f"router serving pdserve.v1.Generation on {args.host}:{port} with "
+         f"{len(pool.of_role('prefill'))} prefill and {len(pool.of_role('decode'))} decode workers"
+         + (f", metrics on :{mport}" if mport else ""))
+    if on_ready:
+        on_ready(port)
+
+    async def stop() -> None:
+        await pool.close()
+        ownership.close()
+
+    await serve_until_signal(server, 5.0, stop)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    if not (args.prefill and args.decode) and not args.redis_url:
+        from pdserve.cli import UsageError
+
+        raise UsageError("give workers with --prefill HOST:PORT and --decode HOST:PORT, or --redis-url to discover")
+    asyncio.run(run_router(args))
+    return 0
+
+
+# ---- pdserve up: the whole stack on one machine -----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker at {address} exited with status {proc.returncode} while starting")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise TimeoutError(f"worker at {address} did not become healthy within {timeout_s:.0f}s")
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `up`, forwarded to each worker process."""
+    flags = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--load-format",
+             args.load_format, "--attention-backend", args.attention_backend, "--moe-backend", args.moe_backend,
+             "--page-size", str(args.page_size), "--num-pages", str(args.num_pages), "--max-num-batched-tokens",
+             str(args.max_num_batched_tokens), "--max-running-requests", str(args.max_running_requests)]
+    return flags + (["--no-prefix-cache"] if args.no_prefix_cache else [])
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    if args.prefill < 1 or args.decode < 1:
+        from pdserve.cli import UsageError
+
+        raise UsageError("--prefill and --decode must each be at least 1")
+    if args.model is None:
+        args.model = DEFAULT_MODEL_DIR
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            from pdserve.tiny_model import make_tiny_model
+
+            _say(f"no --model given: making the bundled tiny model in {args.model}")
+            make_tiny_model(args.model)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout)]
+    if args.redis_url:
+        common += ["--redis-url", args.redis_url]
+    try:
+        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+            for i in range(count):
+                port = _free_port()
+                cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
+                       f"{role}-{i}", *common]
+                if args.metrics_port:
+                    cmd += ["--metrics-port", "0"]
+                procs.append((f"{role}:127.0.0.1:{port}", subprocess.Popen(cmd)))
+        _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ...")
+        for name, proc in procs:
+            _wait_serving(name.split(":", 1)[1], proc, args.start_timeout)
+        router_args = argparse.Namespace(
+            host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
+            balance_threshold=args.balance_threshold, metrics_port=args.metrics_port,
+            prefill=[n.split(":", 1)[1] for n, _ in procs if n.startswith("prefill")],
+            decode=[n.split(":", 1)[1] for n, _ in procs if n.startswith("decode")])
+
+        def ready(port: int) -> None:
+            _say(f"pdserve is up. Try:  pdserve generate --target {args.host}:{port} --prompt 'Hello' "
+                 "--max-new-tokens 16   (Ctrl-C stops everything)")
+
+        asyncio.run(run_router(router_args, on_ready=ready))
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for _, proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+# ---- pdserve generate --target: the gRPC client -----------------------------------------------------------------
+def generate_remote(args: argparse.Namespace, params) -> int:
+    import grpc
+
+    from pdserve.rpc_convert import FINISH_FROM_PROTO, sampling_to_proto
+    from pdserve.v1 import generate_pb2 as gen_pb
+    from pdserve.v1 import generate_pb2_grpc as gen_grpc
+
+    req = gen_pb.GenerateRequest(sampling_params=sampling_to_proto(params))
+    if args.prompt is not None:
+        req.text = args.prompt
+    else:
+        req.tokenized.input_ids.extend(args.input_ids)
+    with grpc.insecure_channel(args.target) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        try:
+            for msg in stub.Generate(req, timeout=args.timeout):
+                if msg.HasField("chunk") and not args.json:
+                    print(msg.chunk.text if args.prompt is not None else
+                          " ".join(map(str, msg.chunk.token_ids)) + " ", end="", flush=True)
+                if msg.HasField("complete"):
+                    c = msg.complete
+                    if args.json:
+                        print(json.dumps({"output_ids": list(c.output_ids), "text": c.text,
+                                          "finish_reason": FINISH_FROM_PROTO.get(c.finish_reason, "unspecified"),
+                                          "prompt_tokens": c.usage.prompt_tokens,
+                                          "completion_tokens": c.usage.completion_tokens,
+                                          "cached_tokens": c.usage.cached_tokens, "request_id": msg.request_id}))
+                    else:
+                        print()
+        except grpc.RpcError as e:
+            print(f"pdserve generate: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    return 0

@@ -1,0 +1,1 @@
+"""Generated gRPC code for the pdserve.v1 protos (scripts/gen_protos.sh); do not edit."""

@@ -1,0 +1,85 @@
+"""What the prefill and decode workers share: identity, KV layout fingerprint, model info, result delivery from the
+engine thread to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine import LLMEngine
+from pdserve.kv_transfer import KVLayout
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    address: str  # host:port of the gRPC server, as peers should dial it
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def model_fingerprint(engine: LLMEngine) -> str:
+    """Equal for two workers that run the same checkpoint: config.json plus every parameter's name, shape, dtype
+    (and the random seed for dummy weights)."""
+    h = hashlib.sha256()
+    h.update(json.dumps(engine.model_config.extra, sort_keys=True, default=str).encode())
+    h.update(engine.config.load_format.encode())
+    for name, p in engine.model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    return h.hexdigest()[:32]
+
+
+def kv_layout(engine: LLMEngine, ships_mtp: bool) -> KVLayout:
+    cfg = engine.model_config
+    layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if ships_mtp else 0)
+    return KVLayout(model_fingerprint=model_fingerprint(engine), page_size=engine.pool.page_size,
+                    num_kv_layers=layers, kv_dim=cfg.kv_cache_dim, dtype=str(engine.pool.kv.dtype).replace("torch.", ""))
+
+
+def model_info(engine: LLMEngine) -> dict[str, Any]:
+    cfg = engine.model_config
+    return {"model_name": cfg.name, "vocab_size": cfg.vocab_size,
+            "max_context_length": engine.scheduler.config.max_model_len,
+            "eos_token_ids": sorted(engine.eos_token_ids), "model_type": cfg.model_type}
+
+
+class Deliveries:
+    """Futures created on the event loop and resolved from the engine thread (thread-safe hand-off)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._futures: dict[str, asyncio.Future] = {}
+
+    def expect(self, key: str) -> asyncio.Future:
+        fut = self.loop.create_future()
+        self._futures[key] = fut
+        return fut
+
+    def resolve(self, key: str, value: Any = None, error: BaseException | None = None) -> None:
+        """Callable from any thread."""
+        def settle() -> None:
+            fut = self._futures.pop(key, None)
+            if fut is None or fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+
+        self.loop.call_soon_threadsafe(settle)
+
+    def fail_all(self, error: BaseException) -> None:
+        for key in list(self._futures):
+            self.resolve(key, error=error)
+
+    def discard(self, key: str) -> None:
+        self._futures.pop(key, None)

@@ -1,0 +1,178 @@
+"""The prefill worker process: gRPC PrefillWorker service over a PrefillEngine running on its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine_loop import EngineLoop
+from pdserve.grpc_shell import ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving
+from pdserve.kv_transfer import KVTransferError, TRANSPORTS
+from pdserve.metrics import Metrics
+from pdserve.rpc_convert import layout_from_proto, layout_to_proto, sampling_from_proto
+from pdserve.v1 import generate_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.worker_common import Deliveries, WorkerIdentity, kv_layout, model_info
+
+from .engine import PrefillEngine, PrefillJob
+
+log = logging.getLogger(__name__)
+
+# KVTransferError kinds -> the status the router sees.
+TRANSFER_STATUS = {"incompatible": grpc.StatusCode.FAILED_PRECONDITION, "unreachable": grpc.StatusCode.UNAVAILABLE,
+                   "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "aborted": grpc.StatusCode.CANCELLED,
+                   "peer_failed": grpc.StatusCode.UNAVAILABLE, "protocol": grpc.StatusCode.INTERNAL}
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_transport: str = "tcp"
+    transfer_timeout_s: float = 300.0
+    worker_id: Optional[str] = None
+
+
+class PrefillWorker:
+    def __init__(self, config: PrefillWorkerConfig, identity: WorkerIdentity, metrics: Metrics,
+                 core: Optional[LLMEngine] = None):
+        self.config, self.identity, self.metrics = config, identity, metrics
+        self.core = core or LLMEngine(config.engine)
+        self._evicted: list[bytes] = []  # piggybacked on responses for a router without Redis
+        self.core.prefix_cache.on_evict = self._evicted.extend
+        self.publishers: list = []  # ownership stores told about held/evicted blocks (Redis), set by the CLI
+        ships_mtp = self.core.model.has_mtp_weights
+        self.layout = kv_layout(self.core, ships_mtp)
+        sender_cls = TRANSPORTS.get(config.kv_transport).sender
+        self.sender = sender_cls(self.layout, timeout_s=config.transfer_timeout_s)
+        self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held)
+        self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
+                               on_error=self._step_failed)
+        self.deliveries: Optional[Deliveries] = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.deliveries = Deliveries(loop)
+        self.loop.start()
+
+    def _held(self, hashes: list[bytes]) -> None:
+        for store in self.publishers:
+            store.record(self.identity.worker_id, hashes)
+
+    def _step(self) -> None:
+        for r in self.engine.step():
+            self.metrics.ttft.observe(r.ttft_s)
+            self.deliveries.resolve(r.request_id, r)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        sched, alloc = self.core.scheduler, self.core.pool.allocator
+        self.metrics.queue_length.set(len(sched.waiting))
+        self.metrics.running.set(len(sched.running))
+        self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
+
+    def _step_failed(self, error: BaseException) -> None:
+        self.deliveries.fail_all(ServiceError(grpc.StatusCode.INTERNAL, f"prefill step failed: {error}"))
+
+    def drain_evicted(self) -> list[bytes]:
+        out, self._evicted[:] = list(self._evicted), []
+        for store in self.publishers:
+            store.remove(self.identity.worker_id, out)
+        return out
+
+    def load(self) -> pb.WorkerLoad:
+        sched, alloc = self.core.scheduler, self.core.pool.allocator
+        free = alloc.num_free + self.core.prefix_cache.num_cache_only_pages
+        return pb.WorkerLoad(num_running_requests=len(sched.running), num_waiting_requests=len(sched.waiting),
+                             num_free_pages=free, num_total_pages=alloc.num_pages)
+
+    def info(self) -> pb.WorkerInfo:
+        return pb.WorkerInfo(worker_id=self.identity.worker_id, role=pb.WORKER_ROLE_PREFILL,
+                             address=self.identity.address, layout=layout_to_proto(self.layout),
+                             model=gen_pb.ModelInfo(**model_info(self.core)), block_size=self.layout.page_size)
+
+
+class PrefillServicer(pb_grpc.PrefillWorkerServicer):
+    """Thin: converts messages, hands work to the engine thread, maps errors to status codes."""
+
+    def __init__(self, worker: PrefillWorker):
+        self.w = worker
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        w = self.w
+        rid = request.request_id
+        try:
+            if not request.input_ids:
+                raise invalid("input_ids: the prompt is empty")
+            params = sampling_from_proto(request.sampling_params)
+            mismatch = w.layout.mismatch(layout_from_proto(request.dst_layout))
+            if mismatch:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"this prefill worker cannot send KV to that decode worker: {mismatch}")
+            job = PrefillJob(rid, list(request.input_ids), params, request.room, request.kv_endpoint,
+                             list(request.dst_pages))
+            # Connecting (and the layout handshake) happens here, before any compute is spent.
+            handle = await asyncio.to_thread(w.sender.begin, request.kv_endpoint, request.room,
+                                             w.layout.num_kv_layers)
+            result_future = w.deliveries.expect(rid)
+            try:
+                await asyncio.wrap_future(w.loop.submit(lambda: w.engine.add(job, handle)))
+            except BaseException:
+                w.deliveries.discard(rid)
+                handle.abort()
+                raise
+            w.metrics.count(w.metrics.prompt_tokens, len(job.prompt_ids))
+            try:
+                result = await result_future
+            except asyncio.CancelledError:  # the router gave up (client cancelled): stop the work
+                w.loop.submit(lambda: w.engine.abort(rid))
+                raise
+            w.metrics.count(w.metrics.prefix_hit_tokens, result.cached_tokens)
+            start = time.monotonic()
+            stats = await asyncio.to_thread(result.handle.wait, w.config.transfer_timeout_s)
+            w.metrics.count(w.metrics.transfer_bytes, stats.bytes_sent)
+            w.metrics.transfer_seconds.observe(time.monotonic() - start)
+            w.metrics.count(w.metrics.requests, outcome="finished")
+            return pb.PrefillResponse(first_token_id=result.first_token_id, cached_tokens=result.cached_tokens,
+                                      evicted_block_hashes=w.drain_evicted(), kv_bytes=stats.bytes_sent,
+                                      transfer_seconds=stats.seconds)
+        except KVTransferError as e:
+            w.metrics.count(w.metrics.transfer_failures, kind=e.kind)
+            w.metrics.count(w.metrics.requests, outcome="failed")
+            await context.abort(TRANSFER_STATUS.get(e.kind, grpc.StatusCode.INTERNAL), f"KV transfer failed: {e}")
+        except (ServiceError, ValueError) as e:
+            w.metrics.count(w.metrics.requests, outcome="rejected")
+            await abort_with(context, e)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        found = await asyncio.wrap_future(self.w.loop.submit(lambda: self.w.engine.abort(request.request_id)))
+        return pb.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> pb.WorkerLoad:
+        return await asyncio.wrap_future(self.w.loop.submit(self.w.load))
+
+    async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
+        return self.w.info()
+
+
+async def serve_prefill(worker: PrefillWorker, grace_s: float = 5.0, ready=None) -> None:
+    """Run the worker's gRPC server until SIGTERM/SIGINT."""
+    server, port = create_server(worker.config.host, worker.config.port,
+                                 [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name],
+                                 lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), s))
+    worker.start(asyncio.get_running_loop())
+    await start_serving(server)
+    if ready is not None:
+        ready(port)
+
+    async def stop() -> None:
+        worker.loop.stop()
+
+    await serve_until_signal(server, grace_s, stop)

@@ -1,0 +1,205 @@
+"""Which prefill worker holds which prefix blocks, so the router can send a prompt where its prefix is cached.
+
+Blocks are the chained hashes of `pdserve.prefix_cache.block_hashes`: block i's hash names the whole prefix up to the
+end of block i, so a worker is worth as many blocks as it owns contiguously from block 0 (a later block without its
+predecessors cannot be reused). Ownership is advisory: a stale entry costs one prefix miss, never a wrong answer.
+
+Two stores, chosen by name from `OWNERSHIP_STORES`:
+  "memory"  in-process, for a single router that learns ownership from the responses it forwards (the default);
+  "redis"   shared by several routers, written by the prefill workers themselves (or by the routers).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import Iterable, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pdserve.kernels.registry import Registry
+
+
+class OwnershipUnavailable(RuntimeError):
+    """The shared store cannot be reached (or answered nonsense); the router should route by load alone."""
+
+
+class OwnershipStore(ABC):
+    """Which worker owns which prefix blocks. All methods are thread-safe."""
+
+    @abstractmethod
+    def record(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        """`worker_id` now holds these blocks in its prefix cache."""
+
+    @abstractmethod
+    def remove(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        """`worker_id` evicted these blocks."""
+
+    @abstractmethod
+    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """worker id -> number of leading blocks of `hashes` (the chain of one prompt) it owns from block 0 on.
+
+        Workers owning no leading block are absent, so unknown hashes give {}."""
+
+    @abstractmethod
+    def drop_worker(self, worker_id: str) -> None:
+        """Forget everything `worker_id` owned (it died, or restarted with an empty cache)."""
+
+    def close(self) -> None:
+        """Release connections; the store must not be used afterwards."""
+
+
+def leading_runs(owner_sets: Iterable[set[str]]) -> dict[str, int]:
+    """Given the owners of block 0, 1, ... in order, how many leading blocks each worker owns without a gap."""
+    runs: dict[str, int] = {}
+    alive: set[str] | None = None
+    for i, owners in enumerate(owner_sets):
+        alive = set(owners) if alive is None else alive & owners
+        if not alive:
+            break
+        for worker in alive:
+            runs[worker] = i + 1
+    return runs
+
+
+OWNERSHIP_STORES: Registry[type[OwnershipStore]] = Registry("ownership store")
+
+
+@OWNERSHIP_STORES.register("memory")
+class MemoryOwnership(OwnershipStore):
+    """In-process dicts behind one lock: exact, no expiry (drop_worker forgets a dead worker)."""
+
+    def __init__(self) -> None:
+        self._owners: dict[bytes, set[str]] = {}  # block hash -> workers holding it
+        self._held: dict[str, set[bytes]] = {}  # worker -> block hashes it holds (for drop_worker)
+        self._lock = threading.Lock()
+
+    def record(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            held = self._held.setdefault(worker_id, set())
+            for h in hashes:
+                self._owners.setdefault(bytes(h), set()).add(worker_id)
+                held.add(bytes(h))
+
+    def remove(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            held = self._held.get(worker_id, set())
+            for h in hashes:
+                self._discard(bytes(h), worker_id)
+                held.discard(bytes(h))
+
+    def _discard(self, h: bytes, worker_id: str) -> None:
+        owners = self._owners.get(h)
+        if owners is not None:
+            owners.discard(worker_id)
+            if not owners:
+                del self._owners[h]
+
+    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        empty: set[str] = set()
+        with self._lock:
+            return leading_runs(self._owners.get(bytes(h), empty) for h in hashes)
+
+    def drop_worker(self, worker_id: str) -> None:
+        with self._lock:
+            for h in self._held.pop(worker_id, set()):
+                self._discard(h, worker_id)
+
+
+def redis_client(url: str, socket_timeout: float = 0.5) -> redis.Redis:
+    """A client that fails fast: short timeouts and no retries. NOTE: retries are pinned because redis-py's default
+    depends on how the client is built (`Redis(host=...)` retries 10 times with backoff, seconds per call while
+    Redis is away). A broken connection is dropped and re-made on the next command once Redis is back."""
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
+# redis-py wraps socket errors in its own ConnectionError/TimeoutError; OSError is a belt-and-braces catch.
+REDIS_ERRORS = (redis.RedisError, OSError)
+
+
+@OWNERSHIP_STORES.register("redis")
+class RedisOwnership(OwnershipStore):
+    """Ownership in Redis, shared by every router and prefill worker pointing at the same server and prefix.
+
+    Keys (hex = the block hash in lowercase hex):
+      {prefix}:blk:{hex}       SET of worker ids holding that block
+      {prefix}:wblk:{worker}   SET of hex hashes the worker holds (so drop_worker finds them)
+    Both expire `ttl_s` after the last record() touching them: the backstop for a worker that died unannounced.
+    """
+
+    def __init__(self, url: str, key_prefix: str = "pdserve", socket_timeout: float = 0.5, ttl_s: int = 3600):
+        self.key_prefix, self.ttl_s = key_prefix, int(ttl_s)
+        self._redis = redis_client(url, socket_timeout)
+
+    def _blk(self, hex_hash: str) -> str:
+        return f"{self.key_prefix}:blk:{hex_hash}"
+
+    def _wblk(self, worker_id: str) -> str:
+        return f"{self.key_prefix}:wblk:{worker_id}"
+
+    def _run(self, fill, transaction: bool = False) -> list:
+        """Queue commands with `fill(pipe)` and send them in one round trip; any Redis failure -> OwnershipUnavailable.
+
+        NOTE: a fresh pipeline per call, reset on exit even after an error, so a failed call leaves no half-filled
+        command buffer or broken connection behind; the pool reconnects on the next call."""
+        try:
+            with self._redis.pipeline(transaction=transaction) as pipe:
+                fill(pipe)
+                return pipe.execute()
+        except REDIS_ERRORS as e:
+            raise OwnershipUnavailable(f"redis ownership store: {type(e).__name__}: {e}") from e
+
+    def record(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        if not hashes:
+            return
+        hexes = [bytes(h).hex() for h in hashes]
+
+        def fill(pipe) -> None:
+            for hx in hexes:
+                pipe.sadd(self._blk(hx), worker_id)
+                pipe.expire(self._blk(hx), self.ttl_s)
+            pipe.sadd(self._wblk(worker_id), *hexes)
+            pipe.expire(self._wblk(worker_id), self.ttl_s)
+        self._run(fill)
+
+    def remove(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        if not hashes:
+            return
+        hexes = [bytes(h).hex() for h in hashes]
+
+        def fill(pipe) -> None:
+            for hx in hexes:
+                pipe.srem(self._blk(hx), worker_id)  # Redis deletes a set once it is empty
+            pipe.srem(self._wblk(worker_id), *hexes)
+        self._run(fill)
+
+    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        if not hashes:
+            return {}
+
+        def fill(pipe) -> None:
+            for h in hashes:
+                pipe.smembers(self._blk(bytes(h).hex()))
+        owner_sets = self._run(fill)
+        return leading_runs({m.decode() for m in members} for members in owner_sets)
+
+    def drop_worker(self, worker_id: str) -> None:
+        index = self._wblk(worker_id)
+
+        def take_index(pipe) -> None:
+            pipe.smembers(index)
+            pipe.delete(index)
+
+        def forget_blocks(pipe) -> None:
+            for hx in held:
+                pipe.srem(self._blk(hx.decode()), worker_id)
+        # Read and delete the index atomically (MULTI), so blocks recorded meanwhile land in a fresh index.
+        held, _ = self._run(take_index, transaction=True)
+        if held:
+            self._run(forget_blocks)
+
+    def close(self) -> None:
+        self._redis.close()

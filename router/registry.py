@@ -1,0 +1,130 @@
+"""Workers announce themselves in Redis so routers find them without a static list of addresses.
+
+Key layout: `{prefix}:worker:{role}:{worker_id}` = JSON of the worker's info (at least worker_id, role, address),
+written with a TTL of ttl_s and rewritten every ttl_s / 3 by a heartbeat thread. A worker that dies stops writing
+and drops out of discovery within ttl_s; one that shuts down cleanly deletes its key at once. Because every heartbeat
+is a full SET, a Redis restart (which loses the data when persistence is off) heals within one heartbeat.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Optional, Union
+
+import redis
+
+from .ownership import REDIS_ERRORS, redis_client
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode")
+
+
+class RegistryUnavailable(RuntimeError):
+    """Redis cannot be reached; the router should keep the workers it already knows."""
+
+
+def worker_key(key_prefix: str, role: str, worker_id: str) -> str:
+    return f"{key_prefix}:worker:{role}:{worker_id}"
+
+
+class WorkerRegistration:
+    """Keeps one worker registered while it runs: `start(info)` once serving, `stop()` on shutdown.
+
+    Never raises for Redis trouble: registration is retried on every heartbeat, with one warning per outage.
+    """
+
+    def __init__(self, redis_url: str, key_prefix: str = "pdserve", ttl_s: float = 5.0, socket_timeout: float = 0.5):
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s={ttl_s} must be positive")
+        self.key_prefix, self.ttl_s = key_prefix, ttl_s
+        self.key: Optional[str] = None
+        self._redis = redis_client(redis_url, socket_timeout)
+        self._payload = ""
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._failing = False  # inside an outage: warned once already
+
+    def start(self, info: dict) -> "WorkerRegistration":
+        """Register `info` now (if Redis is up) and keep it registered from a daemon thread."""
+        missing = [k for k in ("worker_id", "role", "address") if not info.get(k)]
+        if missing:
+            raise ValueError(f"worker info needs {', '.join(missing)}; got {sorted(info)}")
+        if info["role"] not in ROLES:
+            raise ValueError(f"worker info role={info['role']!r} must be one of {', '.join(ROLES)}")
+        if self._thread is not None:
+            raise RuntimeError(f"registration {self.key} was already started")
+        self.key = worker_key(self.key_prefix, info["role"], info["worker_id"])
+        self._payload = json.dumps(info)
+        self._beat()  # before returning, so a router discovers the worker as soon as start() is done
+        self._thread = threading.Thread(target=self._heartbeat, name=f"registry-heartbeat-{info['worker_id']}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        try:
+            self._redis.set(self.key, self._payload, px=max(1, int(self.ttl_s * 1000)))
+        except REDIS_ERRORS as e:
+            if not self._failing:
+                log.warning("cannot register %s in Redis, retrying every %.1f s: %s", self.key, self.ttl_s / 3, e)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("registered %s in Redis again", self.key)
+        self._failing = False
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            self._beat()
+
+    def stop(self, deregister: bool = True) -> None:
+        """Stop the heartbeat and delete the key. deregister=False leaves the key to expire after ttl_s, as when
+        the process dies."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()  # NOTE: joined before the delete, so a last heartbeat cannot re-create the key
+        if deregister and self.key is not None:
+            try:
+                self._redis.delete(self.key)
+            except REDIS_ERRORS as e:
+                log.warning("cannot deregister %s (it expires within %.1f s): %s", self.key, self.ttl_s, e)
+        self._redis.close()
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def discover_workers(redis_or_url: Union[str, redis.Redis], role: str, key_prefix: str = "pdserve",
+                     socket_timeout: float = 0.5) -> list[dict]:
+    """Info dicts of the registered workers of `role`, sorted by worker_id; malformed entries are skipped.
+
+    Pass a client to reuse its connections when polling; a URL opens and closes one per call. Uses SCAN (never
+    KEYS, which blocks Redis). Raises RegistryUnavailable when Redis cannot be reached."""
+    if role not in ROLES:
+        raise ValueError(f"role={role!r} must be one of {', '.join(ROLES)}")
+    own = isinstance(redis_or_url, str)
+    client = redis_client(redis_or_url, socket_timeout) if own else redis_or_url
+    try:
+        keys = list(dict.fromkeys(client.scan_iter(match=f"{_glob_escape(key_prefix)}:worker:{role}:*", count=500)))
+        values = client.mget(keys) if keys else []
+    except REDIS_ERRORS as e:
+        raise RegistryUnavailable(f"worker registry: {type(e).__name__}: {e}") from e
+    finally:
+        if own:
+            client.close()
+    workers = []
+    for key, raw in zip(keys, values):
+        if raw is None:
+            continue  # expired between SCAN and MGET
+        try:
+            info = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            info = None
+        if not isinstance(info, dict) or not isinstance(info.get("address"), str) or not info.get("worker_id"):
+            log.debug("skipping malformed worker registration %r", key)
+            continue
+        workers.append(info)
+    return sorted(workers, key=lambda w: str(w["worker_id"]))

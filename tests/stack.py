@@ -1,0 +1,171 @@
+"""Starts real pdserve processes (workers, router) on free ports for the serving tests, and talks to them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.rpc_convert import FINISH_FROM_PROTO, sampling_to_proto
+from pdserve.sampling import SamplingParams
+from pdserve.v1 import generate_pb2 as gen_pb
+from pdserve.v1 import generate_pb2_grpc as gen_grpc
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    role: str
+    address: str
+    popen: subprocess.Popen
+    metrics_port: int
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def start(role: str, args: list[str], log_dir: Path, name: str, timeout_s: float = 60.0) -> Proc:
+    port, mport = free_port(), free_port()
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--metrics-port", str(mport), *args]
+    popen = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = Proc(role, f"127.0.0.1:{port}", popen, mport, log_path)
+    wait_serving(proc, timeout_s)
+    return proc
+
+
+def wait_serving(proc: Proc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(proc.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.role} exited ({proc.popen.returncode}):\n{proc.log()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.1)
+    proc.stop()
+    raise TimeoutError(f"{proc.role} at {proc.address} not serving after {timeout_s}s:\n{proc.log()}")
+
+
+@dataclass
+class Stack:
+    prefill: list[Proc]
+    decode: list[Proc]
+    router: Proc
+    extra: list[Proc] = field(default_factory=list)
+
+    def all(self) -> list[Proc]:
+        return self.prefill + self.decode + [self.router] + self.extra
+
+    def stop(self) -> None:
+        for p in self.all():
+            p.stop()
+
+
+def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(), redis_url=None,
+                decode_args=(), router_args=()) -> Stack:
+    common = ["--model", str(model_dir), "--page-size", "4", "--num-pages", "512", *engine_args]
+    if redis_url:
+        common += ["--redis-url", redis_url]
+    prefill = [start("prefill", [*common, "--worker-id", f"prefill-{i}"], log_dir, f"prefill-{i}")
+               for i in range(n_prefill)]
+    decode = [start("decode", [*common, *decode_args, "--worker-id", f"decode-{i}"], log_dir, f"decode-{i}")
+              for i in range(n_decode)]
+    workers = []
+    if redis_url:
+        workers = ["--redis-url", redis_url]
+    else:
+        for p in prefill:
+            workers += ["--prefill", p.address]
+        for d in decode:
+            workers += ["--decode", d.address]
+    router = start("router", ["--model", str(model_dir), *workers, *router_args], log_dir, "router")
+    return Stack(prefill, decode, router)
+
+
+@dataclass
+class Result:
+    output_ids: list[int]
+    streamed_ids: list[int]
+    text: str
+    streamed_text: str
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def generate(address: str, prompt, params: SamplingParams, timeout: float = 60.0) -> Result:
+    req = gen_pb.GenerateRequest(sampling_params=sampling_to_proto(params))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.tokenized.input_ids.extend(prompt)
+    streamed, text = [], []
+    with grpc.insecure_channel(address) as ch:
+        for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=timeout):
+            if msg.HasField("chunk"):
+                streamed += msg.chunk.token_ids
+                text.append(msg.chunk.text)
+            else:
+                c = msg.complete
+                return Result(list(c.output_ids), streamed, c.text, "".join(text),
+                              FINISH_FROM_PROTO.get(c.finish_reason, "unspecified"), c.usage.prompt_tokens,
+                              c.usage.cached_tokens, c.usage.completion_tokens)
+    raise AssertionError("the stream ended without a complete message")
+
+
+def load(proc: Proc) -> pb.WorkerLoad:
+    stub_cls = pb_grpc.PrefillWorkerStub if proc.role == "prefill" else pb_grpc.DecodeWorkerStub
+    with grpc.insecure_channel(proc.address) as ch:
+        return stub_cls(ch).GetLoad(pb.GetLoadRequest(), timeout=5)
+
+
+def wait_idle(proc: Proc, timeout_s: float = 10.0) -> pb.WorkerLoad:
+    """Until the worker holds no pages for requests (prefix-cache pages count as free)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = load(proc)
+        idle = (current.num_free_pages == current.num_total_pages and current.num_running_requests == 0
+                and current.num_waiting_requests == 0 and current.num_transferring == 0)
+        if idle or time.monotonic() > deadline:
+            return current
+        time.sleep(0.1)
+
+
+def scrape(proc: Proc) -> str:
+    import urllib.request
+
+    return urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()

@@ -1,0 +1,174 @@
+"""The disaggregated path with real processes: router + prefill + decode workers on free ports, KV over TCP.
+
+Greedy outputs must equal the single-process engine's token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_cache import CacheConfig
+from pdserve.sampling import SamplingParams
+
+from stack import generate, load, scrape, start, start_stack, wait_idle
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The router sends each request to a prefill worker",
+           "Hello",
+           "Mixture-of-experts layers route each token to a few experts chosen by a learned gate. " * 2,
+           "Naïve café 東京 🚀",
+           [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_v3_dir):
+    engine = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=512)))
+    return {i: engine.generate([p], GREEDY)[0] for i, p in enumerate(PROMPTS)}, engine
+
+
+@pytest.fixture(scope="module")
+def stack_1p1d(tiny_v3_dir, tmp_path_factory):
+    stack = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-1p1d"))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def stack_2p2d(tiny_v3_dir, tmp_path_factory):
+    # max_num_batched_tokens 8: prompts run in several prefill chunks on the prefill tier.
+    stack = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-2p2d"), n_prefill=2, n_decode=2,
+                        engine_args=["--max-num-batched-tokens", "8"], router_args=["--balance-threshold", "1"])
+    yield stack
+    stack.stop()
+
+
+def check_against_reference(address, reference):
+    outputs, _ = reference
+    for i, prompt in enumerate(PROMPTS):
+        got = generate(address, prompt, GREEDY)
+        want = outputs[i]
+        assert got.output_ids == want.output_ids, f"prompt {i}: disaggregated tokens differ"
+        assert got.streamed_ids == got.output_ids, "stream out of order or incomplete"
+        assert got.text == want.new_text == got.streamed_text
+        assert (got.prompt_tokens, got.completion_tokens, got.finish_reason) == (want.prompt_tokens, 12, "length")
+
+
+def test_1p1d_matches_single_process_engine(stack_1p1d, reference):
+    check_against_reference(stack_1p1d.router.address, reference)
+
+
+def test_2p2d_matches_and_spreads_load(stack_2p2d, reference):
+    check_against_reference(stack_2p2d.router.address, reference)
+    # Unrelated prompts are spread over both prefill workers (load balancing with balance threshold 1).
+    served = [float(_sample(scrape(p), "pdserve_requests_total", outcome="finished")) for p in stack_2p2d.prefill]
+    assert all(n > 0 for n in served), f"prefill requests per worker: {served}"
+
+
+def test_shared_prefix_goes_to_its_owner(stack_2p2d, reference):
+    _, engine = reference
+    base = "pdserve splits inference into a prefill tier and a decode tier. " * 3
+    first = generate(stack_2p2d.router.address, base + "First question?", GREEDY)
+    before = _decisions(stack_2p2d.router)
+    second = generate(stack_2p2d.router.address, base + "Second one!", GREEDY)
+    after = _decisions(stack_2p2d.router)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens >= 4 * (len(engine.encode(base)) // 4) - 4, "the prefix was not reused"
+    assert after.get("prefix_hit", 0) == before.get("prefix_hit", 0) + 1
+    assert second.output_ids == engine.generate([base + "Second one!"], GREEDY)[0].output_ids
+
+
+def test_32_concurrent_requests_and_pools_return_to_idle(stack_2p2d, reference):
+    outputs, _ = reference
+    jobs = [(i % len(PROMPTS)) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda i: generate(stack_2p2d.router.address, PROMPTS[i], GREEDY, timeout=120),
+                                jobs))
+    assert [r.output_ids for r in results] == [outputs[i].output_ids for i in jobs]
+    for proc in stack_2p2d.prefill + stack_2p2d.decode:
+        idle = wait_idle(proc)
+        assert idle.num_free_pages == idle.num_total_pages, f"{proc.role} {proc.address} holds pages: {idle}"
+
+
+def test_cancel_mid_stream_frees_pages_on_both_tiers(stack_1p1d):
+    import grpc as _grpc
+
+    from pdserve.rpc_convert import sampling_to_proto
+    from pdserve.v1 import generate_pb2 as gen_pb
+    from pdserve.v1 import generate_pb2_grpc as gen_grpc
+
+    req = gen_pb.GenerateRequest(text=PROMPTS[2], sampling_params=sampling_to_proto(
+        SamplingParams(max_new_tokens=400, ignore_eos=True)))
+    with _grpc.insecure_channel(stack_1p1d.router.address) as ch:
+        call = gen_grpc.GenerationStub(ch).Generate(req)
+        for n, _ in enumerate(call):
+            if n == 3:
+                assert load(stack_1p1d.decode[0]).num_free_pages < load(stack_1p1d.decode[0]).num_total_pages
+                call.cancel()
+                break
+    for proc in stack_1p1d.prefill + stack_1p1d.decode:
+        idle = wait_idle(proc)
+        assert idle.num_free_pages == idle.num_total_pages and idle.num_running_requests == 0, proc.role
+    decode_metrics = scrape(stack_1p1d.decode[0])
+    assert float(_sample(decode_metrics, "pdserve_requests_total", outcome="aborted")) >= 1
+
+
+def test_incompatible_workers_refuse_to_pair(tiny_v3_dir, tmp_path):
+    """Different page sizes: a clear FAILED_PRECONDITION naming the setting, promptly, not a hang."""
+    prefill = start("prefill", ["--model", str(tiny_v3_dir), "--page-size", "4"], tmp_path, "p")
+    decode = start("decode", ["--model", str(tiny_v3_dir), "--page-size", "8"], tmp_path, "d")
+    router = start("router", ["--model", str(tiny_v3_dir), "--prefill", prefill.address, "--decode",
+                              decode.address], tmp_path, "r")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            generate(router.address, "Hello", GREEDY, timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "page_size" in info.value.details()
+        assert time.monotonic() - t0 < 5
+        assert wait_idle(decode).num_free_pages == load(decode).num_total_pages
+    finally:
+        for p in (router, prefill, decode):
+            p.stop()
+
+
+def test_metrics_parse_and_count(stack_1p1d, reference):
+    generate(stack_1p1d.router.address, PROMPTS[0], GREEDY)
+    expected = {
+        "router": ["pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+                   "pdserve_e2e_request_latency_seconds"],
+        "prefill": ["pdserve_time_to_first_token_seconds", "pdserve_kv_transfer_seconds"],
+        "decode": ["pdserve_inter_token_latency_seconds", "pdserve_e2e_request_latency_seconds"],
+    }
+    for proc in [stack_1p1d.router] + stack_1p1d.prefill + stack_1p1d.decode:
+        families = {f.name: f for f in text_string_to_metric_families(scrape(proc))}
+        for name in expected[proc.role]:
+            counts = [s.value for s in families[name].samples if s.name == name + "_count"]
+            assert counts and counts[0] > 0, f"{proc.role}: {name} has no observations"
+        for gauge in ("pdserve_num_running_reqs", "pdserve_kv_pool_usage_ratio"):
+            assert gauge in families or proc.role == "router"
+    assert float(_sample(scrape(stack_1p1d.prefill[0]), "pdserve_kv_transfer_bytes_total")) > 0
+
+
+def _sample(text: str, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def _decisions(router) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(scrape(router)):
+        for s in family.samples:
+            if s.name == "pdserve_router_decisions_total":
+                out[s.labels["reason"]] = s.value
+    return out

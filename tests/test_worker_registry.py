@@ -1,0 +1,121 @@
+"""Workers registering themselves in a real redis-server and routers discovering them: heartbeat, expiry, clean
+deregistration, malformed entries, and Redis restarts (which lose everything, persistence being off)."""
+
+import json
+import logging
+import time
+
+import pytest
+from redis_server import redis_fixture
+
+from pdserve.router.registry import RegistryUnavailable, WorkerRegistration, discover_workers, worker_key
+
+redis_server = redis_fixture()
+
+PREFILL = {"worker_id": "p0", "role": "prefill", "address": "10.0.0.1:50051", "metrics_port": None}
+DECODE = {"worker_id": "d0", "role": "decode", "address": "10.0.0.2:50052"}
+
+
+def wait_until(cond, timeout_s: float) -> float:
+    """Seconds until cond() held; fails the test after timeout_s."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"condition not met within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_register_discover_and_deregister(redis_server):
+    p = WorkerRegistration(redis_server.url, key_prefix="t").start(PREFILL)
+    d = WorkerRegistration(redis_server.url, key_prefix="t").start(DECODE)
+    assert discover_workers(redis_server.url, "prefill", "t") == [PREFILL]
+    assert discover_workers(redis_server.url, "decode", "t") == [DECODE]
+    assert discover_workers(redis_server.url, "prefill", "other") == []
+    c = redis_server.client()
+    assert json.loads(c.get("t:worker:prefill:p0")) == PREFILL == json.loads(c.get(worker_key("t", "prefill", "p0")))
+    assert 0 < c.pttl("t:worker:prefill:p0") <= 5000
+    p.stop()
+    assert discover_workers(c, "prefill", "t") == []  # gone at once, no TTL wait; a client works as well as a URL
+    assert discover_workers(c, "decode", "t") == [DECODE]
+    d.stop()
+    assert c.keys("t:*") == []
+    c.close()
+
+
+def test_many_workers_are_all_found_by_scan(redis_server):
+    regs = [WorkerRegistration(redis_server.url, key_prefix="t").start(
+        {"worker_id": f"p{i:03d}", "role": "prefill", "address": f"h:{i}"}) for i in range(120)]
+    try:
+        found = discover_workers(redis_server.url, "prefill", "t")
+        assert [w["worker_id"] for w in found] == [f"p{i:03d}" for i in range(120)]
+    finally:
+        for r in regs:
+            r.stop()
+
+
+def test_heartbeat_keeps_key_then_it_expires_when_heartbeat_stops(redis_server):
+    reg = WorkerRegistration(redis_server.url, key_prefix="t", ttl_s=1.0).start(PREFILL)
+    time.sleep(1.5)  # longer than the TTL: only the heartbeat keeps it
+    assert discover_workers(redis_server.url, "prefill", "t") == [PREFILL]
+    reg.stop(deregister=False)  # as if the process died
+    assert discover_workers(redis_server.url, "prefill", "t") == [PREFILL]
+    gone_after = wait_until(lambda: discover_workers(redis_server.url, "prefill", "t") == [], 2.0)
+    assert gone_after <= 1.3  # the TTL left was at most 1 s
+
+
+def test_malformed_entries_are_skipped(redis_server):
+    c = redis_server.client()
+    c.set("t:worker:prefill:bad", "{not json")
+    c.set("t:worker:prefill:list", "[1, 2]")
+    c.set("t:worker:prefill:noaddr", json.dumps({"worker_id": "x", "role": "prefill"}))
+    c.set("t:worker:prefill:binary", b"\xff\xfe")
+    c.set("t:worker:prefill:ok", json.dumps(PREFILL))
+    assert discover_workers(redis_server.url, "prefill", "t") == [PREFILL]
+    c.close()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="role"):
+        WorkerRegistration("redis://127.0.0.1:1").start({**PREFILL, "role": "router"})
+    with pytest.raises(ValueError, match="address"):
+        WorkerRegistration("redis://127.0.0.1:1").start({"worker_id": "p0", "role": "prefill"})
+    with pytest.raises(ValueError, match="role"):
+        discover_workers("redis://127.0.0.1:1", "router")
+
+
+def test_discover_raises_registry_unavailable_fast(redis_server):
+    redis_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(RegistryUnavailable):
+        discover_workers(redis_server.url, "prefill", "t")
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_heartbeat_reregisters_after_redis_restart(redis_server, caplog):
+    caplog.set_level(logging.WARNING, logger="pdserve.router.registry")
+    reg = WorkerRegistration(redis_server.url, key_prefix="t", ttl_s=1.0).start(PREFILL)
+    try:
+        redis_server.stop()
+        time.sleep(1.0)  # about three failed heartbeats
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        redis_server.restart()
+        assert redis_server.client().keys("*") == []  # the restart lost the registration
+        wait_until(lambda: discover_workers(redis_server.url, "prefill", "t") == [PREFILL], 1.5)
+        redis_server.restart()  # a second, brief outage heals the same way
+        wait_until(lambda: discover_workers(redis_server.url, "prefill", "t") == [PREFILL], 1.5)
+    finally:
+        reg.stop()
+    assert discover_workers(redis_server.url, "prefill", "t") == []
+
+
+def test_start_while_redis_is_down_registers_once_it_is_up(redis_server):
+    redis_server.stop()
+    t0 = time.monotonic()
+    reg = WorkerRegistration(redis_server.url, key_prefix="t", ttl_s=1.0).start(DECODE)  # must not raise
+    assert time.monotonic() - t0 < 1.0
+    try:
+        redis_server.start()
+        wait_until(lambda: discover_workers(redis_server.url, "decode", "t") == [DECODE], 1.5)
+    finally:
+        reg.stop()
