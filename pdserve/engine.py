@@ -111,6 +111,8 @@ class LLMEngine:
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one token")
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer.json: pass token ids instead of text")
             ids = self.tokenizer.encode(prompt)

@@ -81,6 +81,8 @@ class Router:
         if kind is None:
             raise invalid("prompt: give exactly one of text or tokenized.input_ids")
         if kind == "text":
+            if not request.text:
+                raise invalid("text: the prompt is empty")
             if self.tokenizer is None:
                 raise invalid("text: this router has no tokenizer (start it with --model DIR); send tokenized")
             ids = self.tokenizer.encode(request.text)

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The README's main command: installs pdserve if needed, makes the bundled tiny model on first run, and runs it.
+# The README's main command: installs pdserve if needed, then runs the whole stack locally (router + 1 prefill +
+# 1 decode worker) on the bundled tiny model, made on first run in models/. Extra flags go to `pdserve up`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import pdserve.cli, torch, safetensors, tokenizers" 2>/dev/null || scripts/setup.sh
-MODEL=${PDSERVE_MODEL:-models/tiny-deepseek-v3}
-[ -f "$MODEL/config.json" ] || python3 -m pdserve make-tiny-model "$MODEL"
-python3 -m pdserve generate --model "$MODEL" --prompt "${1:-The router sends each request to}" --max-new-tokens 24
+python3 -c "import pdserve.cli, torch, grpc, safetensors, tokenizers" 2>/dev/null || scripts/setup.sh
+exec python3 -m pdserve up "$@"

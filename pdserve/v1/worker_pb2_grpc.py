@@ -293,19 +293,22 @@ class DecodeWorkerServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Drops a request (reserved, receiving KV, or decoding) and frees its pages. Unknown ids are not an error.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Current load (free pages, running requests, transfers in flight), for routing.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetWorkerInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Identity, KV layout and KV endpoint, for pairing checks.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -1,0 +1,65 @@
+"""The prefill engine streams each layer's KV as soon as that layer is computed (before the forward ends), ships
+every layer including NextN's, and the rows it ships are exactly the pool's rows for the prompt."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.forward_batch import ForwardBatch, ForwardMode
+from pdserve.kv_cache import CacheConfig
+from pdserve.prefill_service.engine import PrefillEngine, PrefillJob
+from pdserve.sampling import SamplingParams
+from pdserve.scheduler import SchedulerConfig
+
+
+class RecordingHandle:
+    def __init__(self, events):
+        self.events, self.layers, self.aux = events, {}, None
+
+    def send_layer(self, layer, values):
+        self.events.append(f"send {layer}")
+        self.layers[layer] = values.clone()
+
+    def finish(self, aux):
+        self.events.append("finish")
+        self.aux = aux
+
+    def abort(self):
+        self.events.append("abort")
+
+
+def test_layers_stream_during_the_forward(tiny_v3_dir):
+    core = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=6)))
+    events: list[str] = []
+    last = core.model.layers[-1]
+    last.register_forward_pre_hook(lambda *_: events.append("last layer starts"))
+    engine = PrefillEngine(core, sender=None)
+    prompt = core.encode("The router sends each request to a prefill worker")  # > 6 tokens: several chunks
+    handle = RecordingHandle(events)
+    engine.add(PrefillJob("r1", prompt, SamplingParams(max_new_tokens=4), room=1, kv_endpoint="x:1",
+                          dst_pages=list(range(16))), handle)
+    results = []
+    while engine.has_work:
+        results += engine.step()
+    # Only the final chunk sends, and layer 0 goes out before the last layer of that forward begins.
+    final = events[events.index("send 0") - 1:]
+    assert events.index("send 0") < len(events) - 1 - events[::-1].index("last layer starts")
+    assert [e for e in final if e.startswith("send")] == [f"send {i}" for i in range(core.model_config.num_kv_layers)]
+    assert final[-1] == "finish"
+    # Rows shipped == the pool's rows for the whole prompt, every layer (the MTP layer included).
+    assert len(results) == 1 and handle.aux["first_token_id"] == results[0].first_token_id
+    single = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64)))
+    pages = single.pool.allocator.alloc(-(-len(prompt) // 4))
+    n = len(prompt)
+    batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(prompt), torch.arange(n), single.pool.slots_for(pages, 0, n),
+                         4, qo_indptr=[0, n], prefix_lens=[0], page_tables=[pages])
+    hidden = single.model(batch, single.pool.kv)
+    slots = single.pool.slots_for(pages, 0, n)
+    # (chunked vs one-shot prefill: equal up to fp32 summation order)
+    for layer in range(core.model_config.num_hidden_layers):
+        torch.testing.assert_close(handle.layers[layer], single.pool.kv[layer][slots], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(handle.aux["hidden"], hidden[-1], rtol=1e-4, atol=1e-4)
+    assert handle.layers[core.model_config.num_hidden_layers].abs().sum() > 0  # NextN KV was computed
+    assert core.kv_pages_in_use_by_requests() == 0

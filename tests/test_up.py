@@ -1,0 +1,62 @@
+"""`pdserve up` runs the whole stack locally; `pdserve generate --target` talks to it; Ctrl-C stops every process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_cache import CacheConfig
+from pdserve.sampling import SamplingParams
+
+from stack import REPO, Proc, free_port, wait_serving
+
+pytestmark = pytest.mark.slow
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_up_serves_and_stops_cleanly(tiny_v3_dir, tmp_path):
+    model = tmp_path / "model-for-up"
+    subprocess.run(["cp", "-r", str(tiny_v3_dir), str(model)], check=True)
+    port = free_port()
+    log = tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(model), "--port", str(port),
+                           "--page-size", "4", "--prefill", "1", "--decode", "2"], cwd=REPO,
+                          stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_serving(Proc("router", f"127.0.0.1:{port}", up, 0, log), timeout_s=90)
+        assert len(processes_mentioning(str(model))) == 4  # up itself + 1 prefill + 2 decode
+        out = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}",
+                              "--input-ids", "5,6,7,8", "--max-new-tokens", "6", "--ignore-eos", "--json"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        engine = LLMEngine(EngineConfig(str(model), cache=CacheConfig(page_size=4, num_pages=64)))
+        want = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+        assert got["output_ids"] == want.output_ids and got["finish_reason"] == "length"
+        assert "pdserve generate --target" in log.read_text()  # it tells the user how to send a request
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(model)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(model)) == [], "worker processes outlived `pdserve up`"
