@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import AsyncIterator, Optional
 
 import grpc
 
@@ -16,6 +16,7 @@ from pdserve.grpc_shell import ServiceError, abort_with, create_server, invalid,
 from pdserve.metrics import Metrics
 from pdserve.prefix_cache import block_hashes
 from pdserve.rpc_convert import FINISH_FROM_PROTO, sampling_from_proto, sampling_to_proto
+from pdserve.sampling import SamplingParams
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import generate_pb2_grpc as gen_grpc
@@ -81,72 +82,65 @@ class Router:
         if kind is None:
             raise invalid("prompt: give exactly one of text or tokenized.input_ids")
         if kind == "text":
-            if not request.text:
-                raise invalid("text: the prompt is empty")
-            if self.tokenizer is None:
-                raise invalid("text: this router has no tokenizer (start it with --model DIR); send tokenized")
-            ids = self.tokenizer.encode(request.text)
-        else:
-            ids = list(request.tokenized.input_ids)
+            return self.encode_text(request.text)
+        return self.check_ids(list(request.tokenized.input_ids), "tokenized.input_ids")
+
+    def encode_text(self, text: str, field: str = "text") -> list[int]:
+        if not text:
+            raise invalid(f"{field}: the prompt is empty")
+        if self.tokenizer is None:
+            raise invalid(f"{field}: this router has no tokenizer (start it with --model DIR); send token ids")
+        return self.check_ids(self.tokenizer.encode(text), field)
+
+    def check_ids(self, ids: list[int], field: str = "input_ids") -> list[int]:
         if not ids:
-            raise invalid(f"{kind}: the prompt is empty")
+            raise invalid(f"{field}: the prompt is empty")
         vocab = self.model_info().vocab_size
-        bad = [t for t in ids if t >= vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise invalid(f"input_ids: token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+            raise invalid(f"{field}: token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         return ids
 
-
-class GenerationServicer(gen_grpc.GenerationServicer):
-    def __init__(self, router: Router):
-        self.r = router
-
-    async def GetModelInfo(self, request, context) -> gen_pb.ModelInfo:
-        try:
-            return self.r.model_info()
-        except ServiceError as e:
-            await abort_with(context, e)
-
-    async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        r, m = self.r, self.r.metrics
+    # ---- one request, start to finish (shared by the gRPC and HTTP fronts) -----------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str = "") -> AsyncIterator[gen_pb.GenerateResponse]:
+        """Chunks of new tokens, then one `complete` message. Failures raise ServiceError with the status a client
+        should see (a worker's own status is passed through). Cancelling the iteration drops the request on both
+        workers."""
+        m = self.metrics
         arrival = time.monotonic()
-        rid = request.request_id or uuid.uuid4().hex
+        rid = request_id or uuid.uuid4().hex
         try:
-            ids = r.prompt_ids(request)
-            params = sampling_from_proto(request.sampling_params)
-            prefill, decode, hashes, _ = await r.choose(ids)
-        except (ServiceError, ValueError) as e:
+            prefill, decode, hashes, _ = await self.choose(prompt_ids)
+        except ServiceError:
             m.count(m.requests, outcome="rejected")
-            await abort_with(context, e)
+            raise
         outcome = "failed"
         prefill.in_flight += 1
         decode.in_flight += 1
         try:
-            async for msg in self._run(rid, ids, params, prefill, decode, hashes, arrival):
+            async for msg in self._relay(rid, prompt_ids, params, prefill, decode, hashes, arrival):
                 yield msg
             outcome = "finished"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "aborted"
             raise
-        except grpc.aio.AioRpcError as e:  # a worker's status, passed through with who said it
-            await context.abort(e.code(), f"{e.details()}")
-        except ServiceError as e:
-            await abort_with(context, e)
+        except grpc.aio.AioRpcError as e:  # a worker's status, passed through
+            raise ServiceError(e.code(), e.details() or e.code().name) from None
         finally:
             prefill.in_flight -= 1
             decode.in_flight -= 1
             m.count(m.requests, outcome=outcome)
 
-    async def _run(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival):
-        m = self.r.metrics
+    async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival):
+        m = self.metrics
         sp = sampling_to_proto(params)
         reserve: pb.ReserveResponse = await decode.stub.Reserve(
             pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp))
         decode_call = decode.stub.Decode(pb.DecodeRequest(room=reserve.room))
-        prefill_call = prefill.stub.Prefill(pb.PrefillRequest(
+        prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
             request_id=rid, input_ids=ids, sampling_params=sp, room=reserve.room, kv_endpoint=reserve.kv_endpoint,
-            dst_pages=reserve.dst_pages, dst_layout=reserve.layout))
-        prefill_task = asyncio.ensure_future(prefill_call)
+            dst_pages=reserve.dst_pages, dst_layout=reserve.layout)))
         output_ids: list[int] = []
         text: list[str] = []
         last = None
@@ -189,14 +183,40 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 prefill_task.cancel()
 
     def _learn_ownership(self, prefill: Worker, hashes: list[bytes], resp: pb.PrefillResponse) -> None:
-        if not self.r.config.records_ownership or prefill.info is None:
+        if not self.config.records_ownership or prefill.info is None:
             return
         try:
             if resp.evicted_block_hashes:
-                self.r.ownership.remove(prefill.info.worker_id, list(resp.evicted_block_hashes))
-            self.r.ownership.record(prefill.info.worker_id, hashes)
+                self.ownership.remove(prefill.info.worker_id, list(resp.evicted_block_hashes))
+            self.ownership.record(prefill.info.worker_id, hashes)
         except OwnershipUnavailable:
-            self.r.metrics.count(self.r.metrics.redis_errors)
+            self.metrics.count(self.metrics.redis_errors)
+
+
+class GenerationServicer(gen_grpc.GenerationServicer):
+    """Thin: protobuf in, Router.generate, protobuf out; errors mapped to their status."""
+
+    def __init__(self, router: Router):
+        self.r = router
+
+    async def GetModelInfo(self, request, context) -> gen_pb.ModelInfo:
+        try:
+            return self.r.model_info()
+        except ServiceError as e:
+            await abort_with(context, e)
+
+    async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            ids = self.r.prompt_ids(request)
+            params = sampling_from_proto(request.sampling_params)
+        except (ServiceError, ValueError) as e:
+            self.r.metrics.count(self.r.metrics.requests, outcome="rejected")
+            await abort_with(context, e)
+        try:
+            async for msg in self.r.generate(ids, params, request.request_id):
+                yield msg
+        except ServiceError as e:
+            await abort_with(context, e)
 
 
 async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:

@@ -120,18 +120,23 @@ def test_cancel_mid_stream_frees_pages_on_both_tiers(stack_1p1d):
     assert float(_sample(decode_metrics, "pdserve_requests_total", outcome="aborted")) >= 1
 
 
-def test_incompatible_workers_refuse_to_pair(tiny_v3_dir, tmp_path):
-    """Different page sizes: a clear FAILED_PRECONDITION naming the setting, promptly, not a hang."""
+@pytest.mark.parametrize("decode_model, decode_args, named", [
+    ("v3", ["--page-size", "8"], "page_size"),
+    ("v2", ["--page-size", "4"], "model_fingerprint"),
+])
+def test_incompatible_workers_refuse_to_pair(tiny_v3_dir, tiny_v2_dir, tmp_path, decode_model, decode_args, named):
+    """Different page sizes or models: a clear FAILED_PRECONDITION naming the difference, promptly, not a hang."""
+    other = tiny_v3_dir if decode_model == "v3" else tiny_v2_dir
     prefill = start("prefill", ["--model", str(tiny_v3_dir), "--page-size", "4"], tmp_path, "p")
-    decode = start("decode", ["--model", str(tiny_v3_dir), "--page-size", "8"], tmp_path, "d")
+    decode = start("decode", ["--model", str(other), *decode_args], tmp_path, "d")
     router = start("router", ["--model", str(tiny_v3_dir), "--prefill", prefill.address, "--decode",
                               decode.address], tmp_path, "r")
     try:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
-            generate(router.address, "Hello", GREEDY, timeout=30)
+            generate(router.address, [5, 6, 7], GREEDY, timeout=30)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "page_size" in info.value.details()
+        assert named in info.value.details()
         assert time.monotonic() - t0 < 5
         assert wait_idle(decode).num_free_pages == load(decode).num_total_pages
     finally:
