@@ -49,3 +49,15 @@ def copy_model(tmp_path) -> Callable[..., Path]:
         return dst
 
     return copy
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where CUDA is available (the device machine); elsewhere they are skipped."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
