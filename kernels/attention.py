@@ -20,6 +20,9 @@ from .registry import Registry
 
 
 class AttentionBackend(ABC):
+    # True when the ops never synchronise with the host, so CUDA graphs can capture them.
+    graph_safe: bool = False
+
     @abstractmethod
     def ragged_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: list[int],
                        kv_indptr: list[int], causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:

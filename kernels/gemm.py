@@ -55,6 +55,9 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tens
 
 class GemmBackend(ABC):
     """y = x @ W^T for a plain or block-FP8 weight."""
+    # True when the ops never synchronise with the host, so CUDA graphs can capture them.
+    graph_safe: bool = False
+
 
     @abstractmethod
     def linear(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: Optional[torch.Tensor],
@@ -67,6 +70,7 @@ GEMM_BACKENDS: Registry[type[GemmBackend]] = Registry("gemm")
 
 @GEMM_BACKENDS.register("torch")
 class TorchGemm(GemmBackend):
+    graph_safe = True  # block_dequant and F.linear have static shapes
     def linear(self, x, weight, scale_inv, block):
         if weight.dtype == FP8_DTYPE:
             assert scale_inv is not None and block is not None, "fp8 weight without its block scales"

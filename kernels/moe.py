@@ -60,6 +60,9 @@ def select_experts(router_logits: torch.Tensor, correction_bias: Optional[torch.
 
 
 class MoEBackend(ABC):
+    # True when the ops never synchronise with the host, so CUDA graphs can capture them.
+    graph_safe: bool = False
+
     @abstractmethod
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],

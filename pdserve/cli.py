@@ -35,8 +35,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the configured shapes, no files needed")
-    g.add_argument("--attention-backend", default="torch", choices=ATTENTION_BACKENDS.names())
-    g.add_argument("--moe-backend", default="torch", choices=MOE_BACKENDS.names())
+    g.add_argument("--attention-backend", default="auto", choices=["auto", *ATTENTION_BACKENDS.names()],
+                   help="auto = flashinfer or triton on a GPU (whichever is installed, in that order), torch on CPU")
+    g.add_argument("--moe-backend", default="auto", choices=["auto", *MOE_BACKENDS.names()],
+                   help="auto = deep_gemm or triton on a GPU when installed, torch on CPU")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (to compare)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=64,
+                   help="largest decode batch captured in a CUDA graph (default 64)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--num-pages", type=int, default=2048, help="pages in the latent KV pool (default 2048)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -57,9 +62,14 @@ def engine_config_from_args(args: argparse.Namespace):
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    from pdserve.cuda_graph import CudaGraphConfig
+    from pdserve.kernels.select import resolve_backends
+
+    attention, moe, gemm = resolve_backends(args.attention_backend, args.moe_backend, device)
     return EngineConfig(
         model_dir=args.model, dtype=args.dtype, device=device, load_format=args.load_format,
-        attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+        attention_backend=attention, moe_backend=moe, gemm_backend=gemm,
+        cuda_graph=CudaGraphConfig(enabled=not args.disable_cuda_graph, max_bs=args.cuda_graph_max_bs),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_running_requests=args.max_running_requests,

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from pdserve.config import ModelConfig
+from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner
 from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import CacheConfig, LatentKVPool
 from pdserve.model_runner import ModelRunner
@@ -37,6 +38,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prefix_chunk_tokens: int = 4096  # cached-prefix tokens decompressed per attention chunk in prefill
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)  # used on CUDA with graph-safe kernels
 
 
 @dataclass
@@ -71,12 +73,27 @@ class LLMEngine:
         if sched.max_model_len > cfg.max_position_embeddings:
             sched = dataclasses.replace(sched, max_model_len=cfg.max_position_embeddings)
         self.scheduler = Scheduler(sched, config.cache, self.prefix_cache)
-        self.runner = ModelRunner(self.model, self.pool, config.device)
+        self.runner = ModelRunner(self.model, self.pool, config.device,
+                                  self._capture_graphs(kernels, sched.max_model_len, progress))
         self.sampler = Sampler()
         self.eos_token_ids = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
+
+    def _capture_graphs(self, kernels: KernelBackends, max_model_len: int,
+                        progress: Optional[Callable[[str], None]]) -> Optional[DecodeGraphRunner]:
+        if not self.config.cuda_graph.enabled or not str(self.config.device).startswith("cuda"):
+            return None
+        unsafe = [f"{kind}={type(b).__name__}" for kind, b in
+                  (("attention", kernels.attention), ("moe", kernels.moe), ("gemm", kernels.gemm))
+                  if not getattr(b, "graph_safe", False)]
+        if unsafe:  # those synchronise with the host (data-dependent shapes): they cannot be captured
+            (progress or print)(f"CUDA graphs off: backends {', '.join(unsafe)} cannot be captured "
+                                "(use --attention-backend triton --moe-backend triton, or --disable-cuda-graph)")
+            return None
+        max_pages = -(-max_model_len // self.pool.page_size)
+        return DecodeGraphRunner(self.model, self.pool, max_pages, self.config.cuda_graph, progress)
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,

@@ -116,7 +116,10 @@ class LatentKVPool:
         self.device = torch.device(device)
         # NOTE: zeros, not empty: attention kernels read whole pages, and garbage NaNs in unwritten slots survive
         # a zero softmax weight (0 * NaN = NaN), so a stale slot must at least be finite.
-        self.kv = torch.zeros(num_layers, cache_config.num_slots, kv_dim, dtype=dtype, device=self.device)
+        # One page beyond the allocator's, never handed out: padded rows of a CUDA-graph batch write there.
+        self.kv = torch.zeros(num_layers, cache_config.num_slots + self.page_size, kv_dim, dtype=dtype,
+                              device=self.device)
+        self.scratch_page = cache_config.num_pages
         self.allocator = PageAllocator(cache_config.num_pages)
 
     @property

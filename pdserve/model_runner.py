@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pdserve.cuda_graph import DecodeGraphRunner
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kv_cache import LatentKVPool
 from pdserve.model import DeepseekV3
@@ -24,13 +25,16 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV3, pool: LatentKVPool, device: torch.device):
+    def __init__(self, model: DeepseekV3, pool: LatentKVPool, device: torch.device,
+                 graphs: Optional[DecodeGraphRunner] = None):
         self.model, self.pool, self.device = model, pool, torch.device(device)
+        self.graphs = graphs  # decode batches replay captured CUDA graphs when they fit a bucket
 
     def execute(self, out: SchedulerOutput, layer_done: Optional[Callable[[int], None]] = None) -> ForwardOutput:
         """layer_done(layer) is called as each layer of the prefill forward has written its KV."""
         reqs: list[Request] = []
         hidden: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
         extend_hidden = None
         if out.prefill:
             batch, rows = self.extend_batch(out.prefill)
@@ -39,12 +43,21 @@ class ModelRunner:
             keep = [i for i, c in zip(rows, out.prefill) if c.samples]
             reqs += [c.request for c in out.prefill if c.samples]
             hidden.append(h[keep])
+            logits.append(self.model.logits(h[keep]))
         if out.decode:
-            h = self.model(self.decode_batch(out.decode), self.pool.kv)  # (B, D)
+            batch = self.decode_batch(out.decode)
+            if self.graphs is not None and self.graphs.can_run(batch):
+                h, step_logits = self.graphs.run(batch)  # (B, D), (B, vocab)
+            else:
+                h = self.model(batch, self.pool.kv)  # (B, D)
+                step_logits = self.model.logits(h)
             reqs += out.decode
             hidden.append(h)
-        h = torch.cat(hidden) if hidden else torch.empty(0, self.model.cfg.hidden_size, device=self.device)
-        return ForwardOutput(reqs, self.model.logits(h) if len(reqs) else h.new_empty(0, 0), h, extend_hidden)
+            logits.append(step_logits)
+        if not reqs:
+            empty = torch.empty(0, self.model.cfg.hidden_size, device=self.device)
+            return ForwardOutput(reqs, empty.new_empty(0, 0), empty, extend_hidden)
+        return ForwardOutput(reqs, torch.cat(logits), torch.cat(hidden), extend_hidden)
 
     # ---- NextN/MTP layer KV ---------------------------------------------------------------------------------------
     def mtp_extend(self, chunks: list[PrefillChunk], extend_hidden: torch.Tensor) -> None:

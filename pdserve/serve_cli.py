@@ -228,7 +228,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              args.load_format, "--attention-backend", args.attention_backend, "--moe-backend", args.moe_backend,
              "--page-size", str(args.page_size), "--num-pages", str(args.num_pages), "--max-num-batched-tokens",
              str(args.max_num_batched_tokens), "--max-running-requests", str(args.max_running_requests)]
-    return flags + (["--no-prefix-cache"] if args.no_prefix_cache else [])
+    flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
+    return flags + (["--no-prefix-cache"] if args.no_prefix_cache else []) + (
+        ["--disable-cuda-graph"] if args.disable_cuda_graph else [])
 
 
 def cmd_up(args: argparse.Namespace) -> int:

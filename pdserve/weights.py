@@ -247,8 +247,12 @@ def _load_tensors(model: DeepseekV3, cfg: ModelConfig, tensors: Iterator[tuple[s
 
 @torch.no_grad()
 def init_dummy_weights(model: DeepseekV3, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights of the right shapes and dtypes (FP8 weights quantized from random values)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random weights of the right shapes and dtypes (FP8 weights quantized from random values).
+
+    Generated on the parameters' own device, one leading slice (e.g. one expert) at a time, so real DeepSeek-V3
+    widths initialise in seconds on a GPU without a full-size fp32 temporary.
+    """
+    gens: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         for pname, p in module.named_parameters(recurse=False):
             if pname.endswith("scale_inv"):
@@ -256,15 +260,18 @@ def init_dummy_weights(model: DeepseekV3, seed: int = 0, std: float = 0.02) -> N
             if p.dim() == 1:  # norms
                 p.data.fill_(1.0)
                 continue
-            values = torch.randn(p.shape, generator=gen) * std
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
             scale_name = "weight_scale_inv" if pname == "weight" else f"{pname}_scale_inv"
-            if p.dtype == FP8_DTYPE:
-                block = module.block
-                q, s = block_quant(values, block)
-                p.data.copy_(q.to(p.device))
-                getattr(module, scale_name).data.copy_(s.to(p.device))
-            else:
-                p.data.copy_(values.to(p.dtype))
+            slices = [(slice(None),)] if p.dim() == 2 else [(i,) for i in range(p.shape[0])]
+            for idx in slices:
+                dest = p.data[idx]
+                values = torch.randn(dest.shape, generator=gen, device=p.device) * std
+                if p.dtype == FP8_DTYPE:
+                    q, scale = block_quant(values, module.block)
+                    dest.copy_(q)
+                    getattr(module, scale_name).data[idx].copy_(scale)
+                else:
+                    dest.copy_(values.to(p.dtype))
         for bname, b in module.named_buffers(recurse=False):
             if bname == "e_score_correction_bias":
                 b.data.zero_()

@@ -95,10 +95,11 @@ def test_allocation_is_lowest_id_first_and_deterministic():
 # ---- LatentKVPool ---------------------------------------------------------------------------------------------
 def test_pool_shape_and_nbytes():
     pool = LatentKVPool(3, 576, CacheConfig(page_size=4, num_pages=10), dtype=torch.bfloat16)
-    assert pool.kv.shape == (3, 40, 576)
-    assert pool.num_slots == 40
-    assert pool.nbytes == 3 * 40 * 576 * 2
-    assert pool.layer(1).shape == (40, 576)
+    # 10 allocatable pages plus the scratch page that padded CUDA-graph rows write to.
+    assert pool.kv.shape == (3, 44, 576)
+    assert pool.num_slots == 40 and pool.scratch_page == 10
+    assert pool.nbytes == 3 * 44 * 576 * 2
+    assert pool.layer(1).shape == (44, 576)
     assert pool.allocator.num_pages == 10
     with pytest.raises(ValueError, match="kv_dim"):
         LatentKVPool(1, 0, CacheConfig())
