@@ -18,6 +18,7 @@ import torch
 
 from pdserve.engine import LLMEngine, RequestOutput
 from pdserve.grpc_shell import exhausted
+from pdserve.kv_transfer import KVTransferError
 from pdserve.sampling import SamplingParams
 
 
@@ -35,9 +36,11 @@ class PendingTransfer:
 class DecodeEngine:
     def __init__(self, core: LLMEngine, receiver, num_layers_expected: int,
                  on_output: Callable[[int, RequestOutput], None],
-                 on_failed: Callable[[int, Exception], None]):
-        """on_output(room, output) and on_failed(room, error) are called on the engine thread."""
+                 on_failed: Callable[[int, Exception], None], max_queued: int = 256):
+        """on_output(room, output) and on_failed(room, error) are called on the engine thread. max_queued: rooms
+        reserved and still waiting for their KV; a bounded queue answers "full" at once."""
         self.core, self.receiver = core, receiver
+        self.max_queued = max_queued
         self.pool = core.pool
         self.num_layers_expected = num_layers_expected
         self.on_output, self.on_failed = on_output, on_failed
@@ -58,6 +61,9 @@ class DecodeEngine:
         if len(prompt_ids) + 1 > self.core.scheduler.config.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the limit is "
                              f"{self.core.scheduler.config.max_model_len - 1}")
+        if len(self.pending) >= self.max_queued:
+            raise exhausted(f"this decode worker's queue is full ({self.max_queued} requests waiting for their KV, "
+                            "--max-queued-requests); retry later or add decode workers")
         needed = -(-len(prompt_ids) // self.pool.page_size)
         pages = self.core.prefix_cache.alloc_with_eviction(needed)
         if pages is None:
@@ -84,8 +90,23 @@ class DecodeEngine:
         if t is None:
             return
         assert t.layers_received == self.num_layers_expected, "receiver reported done before every layer"
-        out = self.core.add_prefilled(t.request_id, t.prompt_ids, t.params, t.pages, int(aux["first_token_id"]),
-                                      int(aux.get("cached_tokens", 0)), aux.get("rng_state", b""), t.arrival_time)
+        first, cached = aux.get("first_token_id"), aux.get("cached_tokens", 0)
+        # The aux record comes from a peer: a bad value fails this request, never the decode batch.
+        problem = None
+        if not (isinstance(first, int) and 0 <= first < self.core.model_config.vocab_size):
+            problem = f"first_token_id {first!r} is outside the vocabulary"
+        elif not (isinstance(cached, int) and 0 <= cached <= len(t.prompt_ids)):
+            problem = f"cached_tokens {cached!r} is outside [0, {len(t.prompt_ids)}]"
+        else:
+            try:
+                out = self.core.add_prefilled(t.request_id, t.prompt_ids, t.params, t.pages, first, cached,
+                                              aux.get("rng_state", b""), t.arrival_time, hidden=aux.get("hidden"))
+            except (RuntimeError, ValueError) as e:  # e.g. an RNG state of the wrong size (before admission)
+                problem = f"the prefilled request was refused: {e}"
+        if problem is not None:
+            self._release(t)
+            self.on_failed(room, KVTransferError("protocol", f"room {room}: {problem}"))
+            return
         self._emit(out)
 
     def kv_failed(self, room: int, error: Exception) -> None:

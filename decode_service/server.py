@@ -11,9 +11,12 @@ from typing import Optional
 
 import grpc
 
+from pdserve.auth import SecurityConfig, internal_auth
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.engine_loop import EngineLoop
-from pdserve.grpc_shell import ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving
+from pdserve.grpc_shell import (
+    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
+)
 from pdserve.kv_transfer import KVTransferError, TRANSPORTS
 from pdserve.metrics import Metrics
 from pdserve.rpc_convert import finish_to_proto, layout_to_proto, sampling_from_proto, usage_to_proto
@@ -36,6 +39,9 @@ class DecodeWorkerConfig:
     kv_port: int = 0
     kv_transport: str = "tcp"
     transfer_timeout_s: float = 300.0
+    max_queued_requests: int = 256  # reserved requests waiting for their KV; beyond: RESOURCE_EXHAUSTED at once
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
+    security: SecurityConfig = SecurityConfig()
 
 
 @dataclass
@@ -64,9 +70,11 @@ class DecodeWorker:
                 lambda: self.engine.kv_layer(room, layer, slots, values)),
             on_done=lambda room, aux: self.loop.submit(lambda: self._kv_done(room, aux)),
             on_failed=lambda room, err: self.loop.submit(lambda: self.engine.kv_failed(room, err)),
-            timeout_s=config.transfer_timeout_s)
+            timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
+            max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size)
         self.engine = DecodeEngine(self.core, self.receiver, self.layout.num_kv_layers,
-                                   on_output=self._output, on_failed=self._failed)
+                                   on_output=self._output, on_failed=self._failed,
+                                   max_queued=config.max_queued_requests)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
                                on_error=self._step_failed)
 
@@ -185,10 +193,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return self.w.info()
 
 
-async def serve_decode(worker: DecodeWorker, grace_s: float = 5.0, ready=None) -> None:
+async def serve_decode(worker: DecodeWorker, ready=None) -> None:
+    """Run the worker until SIGTERM/SIGINT, then drain: no new reservations, streams in flight finish."""
+    sec = worker.config.security
     server, port = create_server(worker.config.host, worker.config.port,
                                  [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
-                                 lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), s))
+                                 lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), s),
+                                 interceptors=internal_auth(sec),
+                                 drain=Drain(tracked={"Reserve", "Decode"}, refused={"Reserve", "GetLoad"}),
+                                 credentials=sec.server_credentials())
     worker.start(asyncio.get_running_loop())
     await start_serving(server)
     if ready is not None:
@@ -198,4 +211,4 @@ async def serve_decode(worker: DecodeWorker, grace_s: float = 5.0, ready=None) -
         worker.loop.stop()
         worker.receiver.close()
 
-    await serve_until_signal(server, grace_s, stop)
+    await serve_until_signal(server, worker.config.drain_timeout_s, stop)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from .attention import ATTENTION_BACKENDS, AttentionBackend
 from .gemm import GEMM_BACKENDS, GemmBackend
 from .moe import MOE_BACKENDS, MoEBackend
+# Register the GPU backends whose packages import (none of these imports triton itself).
+from . import deep_gemm_moe, flashinfer_attention, triton_attention, triton_gemm, triton_moe  # noqa: F401,E402
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,11 @@ class MoEBackend(ABC):
     # True when the ops never synchronise with the host, so CUDA graphs can capture them.
     graph_safe: bool = False
 
+    def select_experts(self, router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor],
+                       cfg: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing; backends may fuse it. Same contract as the module-level select_experts."""
+        return select_experts(router_logits, correction_bias, cfg)
+
     @abstractmethod
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],

@@ -22,18 +22,21 @@ import torch
 
 from pdserve.kernels.registry import Registry
 
-ERROR_KINDS = frozenset({"incompatible", "unreachable", "timeout", "aborted", "peer_failed", "protocol"})
+ERROR_KINDS = frozenset({"incompatible", "unauthenticated", "unreachable", "timeout", "aborted", "peer_failed",
+                         "protocol"})
 
 
 class KVTransferError(Exception):
     """A transfer failed. `kind` is one of `ERROR_KINDS`:
 
     incompatible: prefill and decode disagree on the KV layout (refused at the handshake).
+    unauthenticated: the sender's internal token is missing or wrong (refused at the handshake).
     unreachable: the decode KV endpoint cannot be connected to or does not answer the handshake.
     timeout: the room did not complete within its deadline.
     aborted: one side cancelled the room on purpose (request aborted, worker shutting down).
     peer_failed: the other side's connection dropped while the room was in progress (process killed, network).
-    protocol: a malformed or unexpected frame (e.g. a room the decode worker never expected, a wrong token count).
+    protocol: a malformed or unexpected frame (e.g. a room the decode worker never expected, a wrong token count,
+    a payload whose checksum does not match).
     """
 
     def __init__(self, kind: str, message: str):

@@ -7,7 +7,9 @@ ROOM_FAILED to senders, so no caller ever blocks on a slow peer).
 
 from __future__ import annotations
 
+import hmac
 import logging
+import math
 import queue
 import socket
 import threading
@@ -23,12 +25,14 @@ from .base import (
 )
 from .wire import (
     ABORT, AUX, HELLO, HELLO_ERROR, HELLO_OK, LAYER, ROOM_DONE, ROOM_FAILED, ProtocolError, configure_socket,
-    recv_frame, send_frame,
+    payload_crc32, recv_frame, send_frame,
 )
 
 logger = logging.getLogger(__name__)
 
 _MAX_REMEMBERED = 4096  # finished rooms whose late frames are still answered with the right error kind
+_MAX_AUX_PAYLOAD = 64 << 20  # hidden state (hidden_size floats) + RNG state: far below this for any model
+_DEFAULT_MAX_ROOM_TOKENS = 1 << 20  # when the owner does not say how many tokens its pool holds
 
 
 class _PeerConn:
@@ -64,10 +68,15 @@ class TcpKVReceiver(KVReceiver):
 
     def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, *, on_layer: OnLayer,
                  on_done: OnDone, on_failed: OnFailed, timeout_s: float = 300.0, handshake_timeout_s: float = 10.0,
-                 advertise_host: str | None = None):
+                 advertise_host: str | None = None, token: str | None = None, max_room_tokens: int | None = None):
+        """token: senders must present it in HELLO (None: no check). max_room_tokens: the most tokens a room can
+        have (the KV pool's capacity); bounds the payload a peer may announce."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         self.layout, self.timeout_s, self.handshake_timeout_s = layout, timeout_s, handshake_timeout_s
+        self._token = token
+        row_bytes = layout.kv_dim * layout.torch_dtype.itemsize
+        self._max_payload = max(_MAX_AUX_PAYLOAD, (max_room_tokens or _DEFAULT_MAX_ROOM_TOKENS) * row_bytes)
         self._on_layer, self._on_done, self._on_failed = on_layer, on_done, on_failed
         # NOTE: re-entrant because callbacks run under it and may call cancel()/expect().
         self._lock = threading.RLock()
@@ -186,10 +195,19 @@ class TcpKVReceiver(KVReceiver):
                     self._outbox.put((conn, {"kind": ROOM_FAILED, "room": room, "error_kind": err_kind,
                                              "message": message}))
                 return
+            if r.conn is not None and r.conn is not conn:
+                # Only the connection that started a room may write into it: one peer cannot touch another's rows.
+                raise ProtocolError(f"{kind} frame for room {room}, which another connection is sending")
             r.conn = conn
             if kind == ABORT:
                 self._drop_locked(r, "aborted", f"room {room} was aborted by the prefill worker ({r.progress()})",
                                   notify=False)
+                return
+            crc = header.get("crc32")
+            if crc is not None and crc != payload_crc32(memoryview(payload.numpy())):
+                # The framing is intact (lengths matched), only the bytes differ: fail the room, keep the link.
+                self._drop_locked(r, "protocol", f"room {room}: {kind} frame failed its checksum (crc32 "
+                                                 f"{crc!r} announced); the KV data was corrupted in transit")
                 return
             try:
                 if kind == LAYER:
@@ -198,7 +216,8 @@ class TcpKVReceiver(KVReceiver):
                     aux = self._parse_aux(r, header, payload)
             except (ValueError, KeyError, TypeError, RuntimeError) as e:
                 self._drop_locked(r, "protocol", f"room {room}: bad {kind} frame: {e}")
-                return
+                # A peer that sends the wrong shapes cannot be trusted with the rest of its frames.
+                raise ProtocolError(f"bad {kind} frame for room {room}: {e}") from None
             r.status.advance(TransferState.TRANSFERRING)
             if kind == LAYER:
                 r.layers.add(layer)
@@ -216,11 +235,11 @@ class TcpKVReceiver(KVReceiver):
 
     def _parse_layer(self, r: _Room, header: dict[str, Any], payload: torch.Tensor) -> tuple[int, torch.Tensor]:
         layer, n = header["layer"], header["num_tokens"]
-        if not (isinstance(layer, int) and 0 <= layer < r.num_layers):
+        if not (_is_int(layer) and 0 <= layer < r.num_layers):
             raise ValueError(f"layer {layer!r} is outside the room's {r.num_layers} layers")
         if layer in r.layers:
             raise ValueError(f"layer {layer} arrived twice")
-        if n != r.num_tokens:
+        if not _is_int(n) or n != r.num_tokens:
             raise ValueError(f"prefill sent {n} tokens, decode expected {r.num_tokens}")
         itemsize = self.layout.torch_dtype.itemsize
         if payload.numel() != n * self.layout.kv_dim * itemsize:
@@ -231,14 +250,22 @@ class TcpKVReceiver(KVReceiver):
     def _parse_aux(r: _Room, header: dict[str, Any], payload: torch.Tensor) -> dict[str, Any]:
         if r.aux is not None:
             raise ValueError("aux arrived twice")
+        if not isinstance(header["fields"], dict):
+            raise ValueError(f"aux fields must be an object, got {type(header['fields']).__name__}")
         aux = dict(header["fields"])
         h_bytes, rng_bytes = header["hidden_nbytes"], header["rng_nbytes"]
+        if not (_is_int(h_bytes) and _is_int(rng_bytes) and h_bytes >= 0 and rng_bytes >= 0):
+            raise ValueError(f"aux sizes must be non-negative integers, got {h_bytes!r} and {rng_bytes!r}")
         if h_bytes + rng_bytes != payload.numel():
             raise ValueError(f"aux payload of {payload.numel()} bytes, header says {h_bytes} + {rng_bytes}")
         aux["hidden"] = None
         if header.get("hidden_dtype") is not None:
-            aux["hidden"] = payload[:h_bytes].view(dtype_from_name(header["hidden_dtype"])).view(
-                header["hidden_shape"])
+            dtype, shape = dtype_from_name(str(header["hidden_dtype"])), header["hidden_shape"]
+            if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+                raise ValueError(f"hidden_shape must be a list of sizes, got {shape!r}")
+            if math.prod(shape) * dtype.itemsize != h_bytes:
+                raise ValueError(f"hidden_shape {shape} of {dtype} is not {h_bytes} bytes")
+            aux["hidden"] = payload[:h_bytes].view(dtype).view(shape)
         aux["rng_state"] = payload[h_bytes:].numpy().tobytes()
         return aux
 
@@ -274,7 +301,7 @@ class TcpKVReceiver(KVReceiver):
                 return
             conn.sock.settimeout(None)
             while not self._stop.is_set():
-                frame = recv_frame(conn.sock)
+                frame = recv_frame(conn.sock, self._max_payload)
                 if frame is None:
                     break
                 header, payload = frame
@@ -293,10 +320,16 @@ class TcpKVReceiver(KVReceiver):
             conn.sock.close()
 
     def _handshake(self, conn: _PeerConn) -> bool:
-        frame = recv_frame(conn.sock)
+        frame = recv_frame(conn.sock, max_payload=0)
         if frame is None:
             return False
         header, _ = frame
+        if self._token is not None and not _token_ok(header.get("token"), self._token):
+            # Checked before the layout, so a stranger learns nothing about this worker.
+            logger.warning("KV receiver %s refused %s: missing or wrong internal token", self._endpoint, conn.addr)
+            conn.send({"kind": HELLO_ERROR, "error_kind": "unauthenticated",
+                       "message": "missing or wrong internal token: give both workers the same --internal-token"})
+            return False
         try:
             if header["kind"] != HELLO:
                 raise ValueError(f"expected HELLO, got {header['kind']}")
@@ -323,3 +356,11 @@ class TcpKVReceiver(KVReceiver):
             conn, header = item
             conn.send(header)
 
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_ok(given: Any, expected: str) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())

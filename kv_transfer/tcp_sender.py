@@ -21,13 +21,17 @@ from .base import (
 )
 from .wire import (
     ABORT, AUX, HELLO, HELLO_ERROR, HELLO_OK, LAYER, ROOM_DONE, ROOM_FAILED, VERSION, ProtocolError,
-    configure_socket, encode_frame, frame_nbytes, parse_endpoint, recv_frame, send_frame, tensor_bytes, write_frame,
+    configure_socket, encode_frame, frame_nbytes, parse_endpoint, payload_crc32, recv_frame, send_frame,
+    tensor_bytes, write_frame,
 )
+
+# The decode side only ever answers with payload-free frames.
+_MAX_REPLY_PAYLOAD = 0
 
 
 class _Connection:
-    def __init__(self, endpoint: str, sock: socket.socket):
-        self.endpoint, self.sock = endpoint, sock
+    def __init__(self, endpoint: str, sock: socket.socket, checksum: bool = True):
+        self.endpoint, self.sock, self.checksum = endpoint, sock, checksum
         self.lock = threading.Lock()
         self.handles: dict[int, TcpSendHandle] = {}
         self.broken: KVTransferError | None = None
@@ -52,6 +56,10 @@ class _Connection:
                 del self.handles[handle.room]
 
     def put(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes) -> None:
+        if self.checksum and kind in (LAYER, AUX):
+            # NOTE: on the caller's thread, over rows already copied to host memory (a few GB/s, cheap next to
+            # the forward pass that produced them).
+            header = {**header, "crc32": payload_crc32(*payload)}
         frame = encode_frame({"kind": kind, "room": handle.room, **header}, *payload)
         handle._bytes += frame_nbytes(frame)
         self.queue.put((handle, kind, frame))
@@ -84,7 +92,7 @@ class _Connection:
 
     def _read_loop(self) -> None:
         try:
-            while (frame := recv_frame(self.sock)) is not None:
+            while (frame := recv_frame(self.sock, _MAX_REPLY_PAYLOAD)) is not None:
                 header, _ = frame
                 with self.lock:
                     handle = self.handles.get(header.get("room"))
@@ -210,10 +218,14 @@ class TcpSendHandle(SendHandle):
 
 
 class TcpKVSender(KVSender):
-    """See `KVSender`. Connections are made on first use per endpoint, reused, and remade once broken."""
+    """See `KVSender`. Connections are made on first use per endpoint, reused, and remade once broken.
+    `token`: the shared internal token the decode receivers require (None: send none). `checksum`: send a CRC32
+    of every LAYER/AUX payload (the receiver fails a room whose data does not match)."""
 
-    def __init__(self, layout: KVLayout, connect_timeout_s: float = 5.0, timeout_s: float = 300.0):
+    def __init__(self, layout: KVLayout, connect_timeout_s: float = 5.0, timeout_s: float = 300.0,
+                 token: str | None = None, checksum: bool = True):
         self.layout, self.connect_timeout_s, self.timeout_s = layout, connect_timeout_s, timeout_s
+        self.token, self.checksum = token, checksum
         self._lock = threading.Lock()
         self._conns: dict[str, _Connection] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
@@ -250,7 +262,7 @@ class TcpKVSender(KVSender):
             conn = self._conns.get(endpoint)
             if conn is not None and conn.broken is None:
                 return conn
-            conn = _Connection(endpoint, self._connect(endpoint))
+            conn = _Connection(endpoint, self._connect(endpoint), self.checksum)
             with self._lock:
                 if self._closed:
                     conn.break_(KVTransferError("aborted", "the KV sender is closed"))
@@ -266,13 +278,15 @@ class TcpKVSender(KVSender):
             raise KVTransferError("unreachable", f"cannot connect to decode KV endpoint {endpoint}: {e}") from None
         try:
             configure_socket(sock)
-            send_frame(sock, {"kind": HELLO, "version": VERSION, "layout": self.layout.to_dict()})
-            reply = recv_frame(sock)
+            send_frame(sock, {"kind": HELLO, "version": VERSION, "layout": self.layout.to_dict(),
+                              "token": self.token or ""})
+            reply = recv_frame(sock, _MAX_REPLY_PAYLOAD)
             if reply is None:
                 raise ConnectionError("it closed the connection")
             if reply[0]["kind"] == HELLO_ERROR:
-                raise KVTransferError("incompatible", f"decode KV endpoint {endpoint} refused this prefill "
-                                                      f"worker: {reply[0].get('message')}")
+                kind = "unauthenticated" if reply[0].get("error_kind") == "unauthenticated" else "incompatible"
+                raise KVTransferError(kind, f"decode KV endpoint {endpoint} refused this prefill "
+                                            f"worker: {reply[0].get('message')}")
             if reply[0]["kind"] != HELLO_OK:
                 raise ProtocolError(f"unexpected {reply[0]['kind']} frame")
         except OSError as e:

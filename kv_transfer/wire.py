@@ -4,9 +4,14 @@
              json_len bytes of UTF-8 JSON ({"kind": ..., fields})
              payload_len raw bytes (tensor rows in native byte order, opaque blobs)
 
-Frame kinds, sender -> receiver: HELLO {layout, version}; LAYER {room, layer, num_tokens} + rows;
-AUX {room, fields, hidden_dtype, hidden_shape, hidden_nbytes, rng_nbytes} + hidden bytes + rng blob; ABORT {room}.
-Receiver -> sender: HELLO_OK; HELLO_ERROR {message}; ROOM_DONE {room}; ROOM_FAILED {room, error_kind, message}.
+Frame kinds, sender -> receiver: HELLO {layout, version, token}; LAYER {room, layer, num_tokens, crc32} + rows;
+AUX {room, fields, hidden_dtype, hidden_shape, hidden_nbytes, rng_nbytes, crc32} + hidden bytes + rng blob;
+ABORT {room}. Receiver -> sender: HELLO_OK; HELLO_ERROR {message, error_kind}; ROOM_DONE {room};
+ROOM_FAILED {room, error_kind, message}.
+
+`crc32` (zlib.crc32 of the frame's payload) is optional on the wire and sent by default: TCP's own 16-bit checksum
+lets rare corruption through, and a corrupted KV row would silently produce wrong tokens, so the receiver fails the
+room instead. `token` is the shared internal token (`--internal-token`), compared in constant time.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import zlib
 from typing import Any
 
 import torch
@@ -58,6 +64,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
+def payload_crc32(*payload: bytes | memoryview) -> int:
+    crc = 0
+    for p in payload:
+        crc = zlib.crc32(p, crc)
+    return crc
+
+
 def encode_frame(header: dict[str, Any], *payload: bytes | memoryview) -> list[bytes | memoryview]:
     """The buffers of one frame, to be written in order; raises TypeError/ValueError for a header that is not
     JSON-serialisable (on the caller's thread, not the writer's)."""
@@ -91,9 +104,11 @@ def _recv_into(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], torch.Tensor] | None:
+def recv_frame(sock: socket.socket,
+               max_payload: int = MAX_PAYLOAD_BYTES) -> tuple[dict[str, Any], torch.Tensor] | None:
     """Read one frame: (json header, payload as a fresh uint8 tensor). None on a clean end of stream between
-    frames; ConnectionError if the stream ends inside a frame; ProtocolError on garbage."""
+    frames; ConnectionError if the stream ends inside a frame; ProtocolError on garbage or on a payload larger than
+    max_payload (checked before anything is allocated, so a peer cannot make this side allocate what it likes)."""
     raw = bytearray(FRAME_HEADER.size)
     got = _recv_into(sock, memoryview(raw))
     if got == 0:
@@ -107,6 +122,8 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], torch.Tensor] | Non
         raise ProtocolError(f"KV protocol version {version} from the peer, this side speaks {VERSION}")
     if json_len > MAX_JSON_BYTES or payload_len > MAX_PAYLOAD_BYTES:
         raise ProtocolError(f"implausible frame sizes (json {json_len} B, payload {payload_len} B)")
+    if payload_len > max_payload:
+        raise ProtocolError(f"frame payload of {payload_len} B exceeds this side's limit of {max_payload} B")
     body = bytearray(json_len)
     if _recv_into(sock, memoryview(body)) < json_len:
         raise ConnectionError("connection closed inside a frame header")

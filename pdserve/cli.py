@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -48,12 +49,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per step; longer prompts are prefilled in chunks (default 2048)")
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+    sg = p.add_argument_group("speculative decoding (decode tier and generate; off by default)")
+    sg.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=["NEXTN"],
+                    help="NEXTN = draft with the checkpoint's MTP layer, verify with the model (lossless)")
+    sg.add_argument("--speculative-num-steps", type=int, default=3, metavar="K",
+                    help="draft steps chained through the MTP layer per round (default 3)")
+    sg.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+                    help="positions verified per round; must be --speculative-num-steps + 1 (the default)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from pdserve.engine import EngineConfig
     from pdserve.kv_cache import CacheConfig
     from pdserve.scheduler import SchedulerConfig
+    from pdserve.spec_decode import SpeculativeConfig
 
     if not args.model:
         raise UsageError("--model DIR is required")
@@ -63,7 +72,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     from pdserve.cuda_graph import CudaGraphConfig
-    from pdserve.kernels.select import resolve_backends
+    from pdserve.kernels.backends import resolve_backends
 
     attention, moe, gemm = resolve_backends(args.attention_backend, args.moe_backend, device)
     return EngineConfig(
@@ -71,6 +80,8 @@ def engine_config_from_args(args: argparse.Namespace):
         attention_backend=attention, moe_backend=moe, gemm_backend=gemm,
         cuda_graph=CudaGraphConfig(enabled=not args.disable_cuda_graph, max_bs=args.cuda_graph_max_bs),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
+        speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_num_steps,
+                                      args.speculative_num_draft_tokens),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_running_requests=args.max_running_requests,
                                   enable_prefix_cache=not args.no_prefix_cache),
@@ -132,6 +143,25 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when the server reports SERVING on grpc.health.v1, else 1 (what Docker's HEALTHCHECK expects: 2 is
+    reserved there, so even an unreachable server is a plain 1)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = args.target or f"127.0.0.1:{args.port}"
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"{target}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{target}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _progress(msg: str) -> None:
     print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
 
@@ -182,9 +212,31 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--redis-url", default=None, help="Redis for discovery and prefix ownership (optional)")
     ug.add_argument("--balance-threshold", type=int, default=4)
     ug.add_argument("--metrics-port", type=int, default=None, help="router /metrics port (workers pick free ones)")
+    ug.add_argument("--http-port", type=int, default=None,
+                    help="router's OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions; default off)")
     ug.add_argument("--transfer-timeout", type=float, default=300.0)
     ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
     up.set_defaults(func=serve_cli.cmd_up)
+
+    hc = sub.add_parser("healthcheck", help="ask a pdserve server for its grpc.health.v1 status (exit 0 = SERVING)",
+                        description="Check a router or worker through grpc.health.v1: exit 0 when SERVING, 1 "
+                                    "otherwise (unreachable included). The container images' HEALTHCHECK.")
+    hc.add_argument("--target", metavar="HOST:PORT", help="server to check (default: 127.0.0.1:--port)")
+    hc.add_argument("--port", type=int, default=50051,
+                    help="local port checked without --target; PDSERVE_PORT, so in a container it is the port the "
+                         "role was started on (default 50051)")
+    hc.add_argument("--service", default="", help="service name to check ('' = the server as a whole)")
+    hc.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    hc.set_defaults(func=cmd_healthcheck)
+
+    from pdserve import bench
+
+    b = sub.add_parser("bench", help="load-test a running router (throughput, TTFT/ITL/TPOT/E2E, errors)",
+                       description="Send random token-id prompts to a router (Poisson arrivals or all at once, "
+                                   "optional concurrency cap and shared prefixes) and report throughput, latency "
+                                   "percentiles and errors by status.")
+    bench.add_bench_args(b)
+    b.set_defaults(func=bench.cmd_bench)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (with MTP + tokenizer)",
                           description="Write a small random checkpoint in Hugging Face format for demos and tests.")
@@ -197,7 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    from pdserve.env import EnvError, parse_args
+
+    try:  # PDSERVE_<FLAG> variables are the flags' defaults; flags given here win
+        args = parse_args(build_parser(), argv, os.environ)
+    except EnvError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
     from pdserve.config import ConfigError
     from pdserve.weights import WeightsError
 

@@ -21,7 +21,8 @@ from pdserve.model_runner import ModelRunner
 from pdserve.prefix_cache import PrefixCache
 from pdserve.request import FinishReason, Request
 from pdserve.sampling import Sampler, SamplingParams, StopChecker, make_generator
-from pdserve.scheduler import Scheduler, SchedulerConfig
+from pdserve.scheduler import Scheduler, SchedulerConfig, SpecDecode
+from pdserve.spec_decode import NextNSpeculator, SpecObserver, SpeculativeConfig
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.weights import load_model, resolve_dtype
 
@@ -39,6 +40,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prefix_chunk_tokens: int = 4096  # cached-prefix tokens decompressed per attention chunk in prefill
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)  # used on CUDA with graph-safe kernels
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # NextN drafting for decode rows
 
 
 @dataclass
@@ -55,7 +57,8 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: Optional[Callable[[str], None]] = None,
-                 model_config: Optional[ModelConfig] = None):
+                 model_config: Optional[ModelConfig] = None, spec_observer: Optional[SpecObserver] = None):
+        """spec_observer is told the accepted lengths and draft/verify times of every speculative round."""
         self.config = config
         self.model_config = model_config or ModelConfig.from_model_dir(config.model_dir)
         cfg = self.model_config
@@ -63,6 +66,11 @@ class LLMEngine:
         kernels = KernelBackends.create(config.attention_backend, config.moe_backend, config.gemm_backend)
         self.model = load_model(config.model_dir, cfg, dtype, kernels, config.load_format, config.device,
                                 config.prefix_chunk_tokens, progress)
+        if config.speculative.enabled and not self.model.has_mtp_weights:
+            raise ValueError(f"--speculative-algorithm {config.speculative.algorithm} drafts with the NextN/MTP layer, "
+                             f"but the checkpoint {config.model_dir} has no MTP weights (num_nextn_predict_layers="
+                             f"{cfg.num_nextn_predict_layers}, tensors model.layers.{cfg.num_hidden_layers}.*): "
+                             "drop the flag or use a checkpoint that has them")
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir) if config.model_dir else None
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
@@ -72,9 +80,14 @@ class LLMEngine:
         sched = config.scheduler
         if sched.max_model_len > cfg.max_position_embeddings:
             sched = dataclasses.replace(sched, max_model_len=cfg.max_position_embeddings)
-        self.scheduler = Scheduler(sched, config.cache, self.prefix_cache)
-        self.runner = ModelRunner(self.model, self.pool, config.device,
-                                  self._capture_graphs(kernels, sched.max_model_len, progress))
+        spec = config.speculative
+        self.scheduler = Scheduler(sched, config.cache, self.prefix_cache, spec.num_steps if spec.enabled else 0)
+        # NOTE: with speculation every decode row goes through the speculator, which runs eagerly (no graphs yet),
+        # so graphs for the plain decode batch would never be replayed.
+        graphs = None if spec.enabled else self._capture_graphs(kernels, sched.max_model_len, progress)
+        self.runner = ModelRunner(self.model, self.pool, config.device, graphs)
+        self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
+        self.spec_observer = spec_observer
         self.sampler = Sampler()
         self.eos_token_ids = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self._ids = itertools.count()
@@ -112,9 +125,18 @@ class LLMEngine:
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams, pages: list[int],
                       first_token: int, cached_tokens: int, rng_state: bytes = b"",
-                      arrival_time: Optional[float] = None) -> RequestOutput:
+                      arrival_time: Optional[float] = None, hidden: Optional[torch.Tensor] = None) -> RequestOutput:
         """Join a request whose prompt KV is already in `pages` (computed elsewhere: the decode tier) and whose
-        first token was sampled there; it continues exactly as if this engine had computed it."""
+        first token was sampled there; it continues exactly as if this engine had computed it.
+
+        hidden (hidden_size,): the target's hidden state at the last prompt position (before the final norm), which
+        speculative decoding's first draft step starts from; without it the first round only verifies.
+        """
+        if self.speculator is None:
+            hidden = None  # only speculation uses it
+        elif hidden is not None and tuple(hidden.shape) != (self.model_config.hidden_size,):
+            raise ValueError(f"hidden has shape {tuple(hidden.shape)}; this model expects "
+                             f"({self.model_config.hidden_size},)")
         req = Request(request_id, list(prompt_ids), params, arrival_time=arrival_time or time.monotonic(),
                       generator=make_generator(params.seed, self.config.device), pages=list(pages),
                       num_computed_tokens=len(prompt_ids), num_cached_tokens=cached_tokens)
@@ -124,7 +146,10 @@ class LLMEngine:
         self._stops[request_id] = StopChecker(params, () if params.ignore_eos else self.eos_token_ids, detok)
         self._requests[request_id] = req
         self.scheduler.admit_computed(req)
-        return self._append(req, first_token)
+        out = self._append(req, [first_token])
+        if self.speculator is not None and hidden is not None and not out.finished:
+            self.speculator.adopt(req, hidden.to(self.pool.dtype))
+        return out
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -158,16 +183,35 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         forward = self.runner.execute(scheduled)
+        if self.speculator is not None and scheduled.prefill:
+            self.runner.mtp_extend(scheduled.prefill, forward.extend_hidden)  # the MTP layer's prompt KV
         tokens = []
         if forward.requests:  # a step may only advance prompt chunks
             tokens = self.sampler.sample(forward.logits, [r.params for r in forward.requests],
                                          [r.generator for r in forward.requests]).tolist()
+        verified, stats = [], None
+        if scheduled.spec_decode:
+            verified, stats = self.speculator.propose_and_verify(scheduled.spec_decode)
         self.scheduler.update(scheduled)
-        return [self._append(req, tok) for req, tok in zip(forward.requests, tokens)]
+        outputs = [self._append(req, [tok]) for req, tok in zip(forward.requests, tokens)]
+        if self.speculator is not None:
+            going_on = [i for i, o in enumerate(outputs) if not o.finished]
+            self.speculator.prime([forward.requests[i] for i in going_on], forward.hidden[going_on])
+        for v in verified:
+            outputs.append(self._append(v.row.request, v.tokens, v.row))
+        if verified:
+            self.speculator.extend([v for v in verified if not v.row.request.is_finished], stats)
+            if self.spec_observer is not None:
+                self.spec_observer.on_spec_round(stats)
+        return outputs
 
-    def _append(self, req: Request, token: int) -> RequestOutput:
-        req.output_ids.append(token)
-        update = self._stops[req.request_id].update([token])
+    def _append(self, req: Request, tokens: list[int], spec_row: Optional[SpecDecode] = None) -> RequestOutput:
+        """Append a step's tokens (several from a speculative row), cut after the first that finishes the request."""
+        update = self._stops[req.request_id].update(tokens)
+        tokens = tokens[: update.num_accepted]
+        req.output_ids.extend(tokens)
+        if spec_row is not None:
+            self.scheduler.update_speculative(spec_row, len(tokens))
         reason = update.finish_reason
         if reason is None and req.num_tokens >= self.scheduler.config.max_model_len:
             reason = FinishReason.LENGTH.value  # the context is full
@@ -176,7 +220,7 @@ class LLMEngine:
             self.scheduler.finish(req, FinishReason(reason))
             self._requests.pop(req.request_id)
             self._stops.pop(req.request_id)
-        return RequestOutput(req.request_id, [token], update.text, reason is not None, list(req.output_ids),
+        return RequestOutput(req.request_id, tokens, update.text, reason is not None, list(req.output_ids),
                              reason, req.num_prompt_tokens, req.num_cached_tokens)
 
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # tokens per verification row (accepted drafts + 1)
+SPEC_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass
@@ -34,6 +36,9 @@ class Metrics:
     transfer_failures: Counter
     router_decisions: Counter  # by reason: prefix_hit, load
     redis_errors: Counter
+    spec_accept_length: Histogram  # speculative decoding: tokens emitted per verification row that drafted
+    spec_draft_seconds: Histogram  # per round: the MTP draft chain and the draft extend
+    spec_verify_seconds: Histogram  # per round: the target's verification forward and acceptance
 
     @classmethod
     def create(cls, role: str) -> "Metrics":
@@ -68,12 +73,34 @@ class Metrics:
             transfer_failures=counter("pdserve_kv_transfer_failures", "Requests whose KV transfer failed", ["kind"]),
             router_decisions=counter("pdserve_router_decisions", "Prefill worker choices by reason", ["reason"]),
             redis_errors=counter("pdserve_redis_errors", "Failed Redis calls (routing degrades to load only)"),
+            spec_accept_length=hist("pdserve_spec_accept_length",
+                                    "Speculative decoding: tokens per verification row (accepted drafts + 1)",
+                                    ACCEPT_LENGTH_BUCKETS),
+            spec_draft_seconds=hist("pdserve_spec_draft_seconds",
+                                    "Speculative decoding: MTP draft steps and draft extend per round",
+                                    SPEC_TIME_BUCKETS),
+            spec_verify_seconds=hist("pdserve_spec_verify_seconds",
+                                     "Speculative decoding: target verification forward and acceptance per round",
+                                     SPEC_TIME_BUCKETS),
         )
         m._role = role  # type: ignore[attr-defined]
         return m
 
     def count(self, counter: Counter, amount: float = 1.0, **labels: str) -> None:
         counter.labels(role=self._role, **labels).inc(amount)  # type: ignore[attr-defined]
+
+
+class SpecMetrics:
+    """The engine's speculative-decoding observer (pdserve.spec_decode.SpecObserver) recording into Metrics."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def on_spec_round(self, stats) -> None:
+        for n in stats.accept_lengths:
+            self.metrics.spec_accept_length.observe(n)
+        self.metrics.spec_draft_seconds.observe(stats.draft_seconds)
+        self.metrics.spec_verify_seconds.observe(stats.verify_seconds)
 
 
 _server_lock = threading.Lock()

@@ -20,7 +20,7 @@ from pdserve.config import ModelConfig
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kernels import KernelBackends
 from pdserve.kernels.attention import merge_state
-from pdserve.kernels.moe import RoutingConfig, select_experts
+from pdserve.kernels.moe import RoutingConfig
 from pdserve.kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, yarn_inv_freq
 
 FP8 = torch.float8_e4m3fn
@@ -203,8 +203,9 @@ class MLP(nn.Module):
 class Gate(nn.Module):
     """Router: scores in fp32; V3 sigmoid + e_score_correction_bias with group-limited top-k, V2 softmax."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: KernelBackends):
         super().__init__()
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
         if cfg.scoring_func == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
@@ -216,7 +217,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # (T, E)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
-        return select_experts(logits, bias, self.routing)  # (T, k) weights, (T, k) ids
+        return self.kernels.moe.select_experts(logits, bias, self.routing)  # (T, k) weights, (T, k) ids
 
 
 class MoE(nn.Module):
@@ -226,7 +227,7 @@ class MoE(nn.Module):
         super().__init__()
         self.kernels = kernels
         e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate = Gate(cfg)
+        self.gate = Gate(cfg, kernels)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)  # [gate_proj; up_proj] per expert
         self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)  # down_proj per expert
         self.block = (cfg.fp8.block_n, cfg.fp8.block_k) if cfg.fp8 else None

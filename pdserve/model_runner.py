@@ -16,6 +16,17 @@ from pdserve.request import Request
 from pdserve.scheduler import PrefillChunk, SchedulerOutput
 
 
+@dataclass(frozen=True)
+class TokenRow:
+    """One query row of a DECODE batch: `token` at `position` of `request`. The row writes its KV there and attends
+    to positions 0..position, so consecutive rows of one request are causal among themselves (speculative
+    verification and drafting)."""
+
+    request: Request
+    position: int
+    token: int
+
+
 @dataclass
 class ForwardOutput:
     requests: list[Request]  # the requests that sample this step, in row order
@@ -81,6 +92,30 @@ class ModelRunner:
         batch.input_ids = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
         logits, _ = self.model.mtp_forward(batch, hidden, self.pool.kv)
         return logits
+
+    # ---- arbitrary token rows (speculative decoding) -------------------------------------------------------------
+    def target_rows(self, rows: list[TokenRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target model over token rows; returns (hidden (rows, D) before the final norm, logits fp32)."""
+        h = self.model(self.rows_batch(rows), self.pool.kv)  # (rows, D)
+        return h, self.model.logits(h)
+
+    def mtp_rows(self, rows: list[TokenRow], prev_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over token rows: row i takes token t_{p+1} at position p and prev_hidden[i] (h_p).
+        Returns (draft logits (rows, vocab) fp32, MTP hidden (rows, D))."""
+        return self.model.mtp_forward(self.rows_batch(rows), prev_hidden, self.pool.kv)
+
+    def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
+        ps = self.pool.page_size
+        slots = [r.request.pages[r.position // ps] * ps + r.position % ps for r in rows]
+        return ForwardBatch(
+            ForwardMode.DECODE,
+            input_ids=torch.tensor([r.token for r in rows], dtype=torch.long, device=self.device),
+            positions=torch.tensor([r.position for r in rows], dtype=torch.long, device=self.device),
+            out_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            page_size=ps,
+            page_table=self.pool.page_table_tensor([r.request.pages for r in rows]),
+            seq_lens=torch.tensor([r.position + 1 for r in rows], dtype=torch.long, device=self.device),
+        )
 
     def extend_batch(self, chunks: list[PrefillChunk], shift: int = 0) -> tuple[ForwardBatch, list[int]]:
         """Returns the batch and, per chunk, the row index of its last token. shift=1 feeds each position the

@@ -6,6 +6,10 @@ Policy per step:
      pool is exhausted the most recently arrived running request is preempted and recomputed later);
   2. the remaining token budget goes to prefill chunks: unfinished prompts first, then waiting requests in arrival
      order, which first reuse their longest cached prefix. A prompt longer than the budget runs in chunks.
+With speculative decoding (spec_steps > 0) a decoding request instead gets a verification row of 1 + k tokens
+(k drafts, fewer near its length limits or when the budget or the pool is short; speculation never preempts): pages
+for those positions are reserved here and the unused tail is returned by update_speculative once the accepted
+length is known.
 """
 
 from __future__ import annotations
@@ -45,24 +49,46 @@ class PrefillChunk:
         return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
 
 
+@dataclass(frozen=True)
+class SpecDecode:
+    """A speculative decode row: the request's newest token plus num_drafts draft tokens are verified at once."""
+
+    request: Request
+    num_drafts: int  # k for this request this step (0 = a plain decode through the speculative path)
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 + self.num_drafts
+
+
 @dataclass
 class SchedulerOutput:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    spec_decode: list[SpecDecode] = field(default_factory=list)  # only with speculative decoding (then no decode)
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.prefill and not self.decode and not self.spec_decode
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefill) + len(self.decode)
+        return (sum(c.num_tokens for c in self.prefill) + len(self.decode)
+                + sum(s.num_tokens for s in self.spec_decode))
+
+    def holds(self, req: Request) -> bool:
+        """Whether this step already computes something for req (then it must not be preempted)."""
+        return (req in self.decode or any(c.request is req for c in self.prefill)
+                or any(s.request is req for s in self.spec_decode))
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, prefix_cache: PrefixCache):
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, prefix_cache: PrefixCache, spec_steps: int = 0):
+        """spec_steps: draft tokens per speculative decode row (0 = no speculative decoding)."""
+        assert spec_steps >= 0
         self.config = config
+        self.spec_steps = spec_steps
         self.page_size = cache.page_size
         self.num_pages = cache.num_pages
         self.prefix_cache = prefix_cache
@@ -121,7 +147,17 @@ class Scheduler:
         for req in sorted((r for r in self.running if r.is_decoding), key=lambda r: r.arrival_time):
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted while making room for an earlier request
-            if self._reserve(req, req.num_tokens, out):
+            if self.spec_steps:
+                k = self._num_drafts(req, budget)
+                # Draft positions only take free (or evictable) pages; when those run short the row shrinks to a
+                # plain decode, which may preempt as usual.
+                if not (k and self._reserve_free(req, req.num_tokens + k)):
+                    k = 0
+                    if not self._reserve(req, req.num_tokens, out):
+                        continue
+                out.spec_decode.append(SpecDecode(req, k))
+                budget -= 1 + k
+            elif self._reserve(req, req.num_tokens, out):
                 out.decode.append(req)
                 budget -= 1
         # Prompts already started continue first, so a long prompt is not starved by newcomers.
@@ -153,6 +189,21 @@ class Scheduler:
             budget -= n
         return out
 
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        # A row yields at most 1 + k tokens: never more than max_new_tokens or the context allow, so neither the
+        # output nor the pages reserved for the row go past the request's own limits.
+        remaining = min(req.params.max_new_tokens - len(req.output_ids), self.config.max_model_len - req.num_tokens)
+        return max(0, min(self.spec_steps, remaining - 1, budget - 1))
+
+    def _reserve_free(self, req: Request, num_tokens: int) -> bool:
+        """Make req's pages cover num_tokens from free or evictable pages only (no preemption)."""
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        new = self.prefix_cache.alloc_with_eviction(need) if need > 0 else []
+        if new is None:
+            return False
+        req.pages.extend(new)
+        return True
+
     def _reserve(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make req's pages cover num_tokens, preempting later arrivals if the pool is exhausted."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
@@ -161,8 +212,7 @@ class Scheduler:
             if new is not None:
                 req.pages.extend(new)
                 return True
-            victim = max((r for r in self.running if r is not req and r not in out.decode
-                          and all(c.request is not r for c in out.prefill)),
+            victim = max((r for r in self.running if r is not req and not out.holds(r)),
                          key=lambda r: r.arrival_time, default=None)
             if victim is None or victim.arrival_time < req.arrival_time:
                 victim = req  # nothing later to evict: this request itself waits
@@ -178,6 +228,7 @@ class Scheduler:
         self._publish(req)
         self.allocator.decref(req.pages)
         req.pages, req.num_computed_tokens, req.num_cached_tokens = [], 0, 0
+        req.spec = None  # the draft state belongs to KV that is gone; the recompute primes it again
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -195,3 +246,21 @@ class Scheduler:
                 self._publish(chunk.request)  # share the prompt with requests arriving while this one decodes
         for req in out.decode:
             req.advance(1, self.page_size)
+        # Speculative rows are accounted by update_speculative, once their accepted length is known.
+
+    def update_speculative(self, row: SpecDecode, num_new_tokens: int) -> None:
+        """Account a speculative row after its num_new_tokens accepted tokens were appended to the request.
+
+        The verification wrote KV for the row's first token and its drafts; the KV of the row's first
+        num_new_tokens positions is right (their inputs were the accepted tokens), the rest is stale and simply
+        not counted. Pages reserved beyond the computed tokens go back to the pool, so accounting stays exact.
+        """
+        req = row.request
+        assert 1 <= num_new_tokens <= row.num_tokens, f"{req.request_id}: {num_new_tokens} of {row.num_tokens}"
+        req.advance(num_new_tokens, self.page_size)
+        keep = -(-req.num_computed_tokens // self.page_size)
+        if len(req.pages) > keep:
+            # NOTE: these pages hold no computed token, so they were never published to the prefix cache and
+            # this request is their only holder.
+            self.allocator.decref(req.pages[keep:])
+            del req.pages[keep:]

@@ -37,6 +37,36 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     if role == "decode":
         g.add_argument("--kv-host", default=None, help="KV receiver address (default: --host)")
         g.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = a free one)")
+    g.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
+                   help="requests waiting here (prefill: for compute; decode: for their KV) before new ones get "
+                        "RESOURCE_EXHAUSTED (default 256)")
+    add_reliability_args(p, internal_server=True)
+
+
+def add_reliability_args(p: argparse.ArgumentParser, internal_server: bool):
+    """Drain and security flags shared by the workers and the router; returns their group."""
+    g = p.add_argument_group("shutdown and security")
+    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM: report NOT_SERVING, refuse new requests, give those in flight this long to "
+                        "finish, then exit (default 30)")
+    g.add_argument("--internal-token", default=None, metavar="TOKEN",
+                   help="shared secret of the internal endpoints: " + (
+                       "required from the router and prefill workers (gRPC and KV transfer)" if internal_server
+                       else "sent to the workers"))
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve gRPC over TLS with this certificate")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA certificate to trust when dialling TLS servers (the router dialling workers)")
+    return g
+
+
+def security_from_args(args: argparse.Namespace):
+    from pdserve.auth import SecurityConfig
+
+    return SecurityConfig(internal_token=getattr(args, "internal_token", None),
+                          api_keys=tuple(getattr(args, "api_key", None) or ()),
+                          tls_cert=getattr(args, "tls_cert", None), tls_key=getattr(args, "tls_key", None),
+                          tls_ca=getattr(args, "tls_ca", None))
 
 
 def _identity(args, role: str, port: int):
@@ -72,7 +102,9 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
 
     config = PrefillWorkerConfig(engine_config_from_args(args), host=args.host, port=args.port,
-                                 kv_transport=args.kv_transport, transfer_timeout_s=args.transfer_timeout)
+                                 kv_transport=args.kv_transport, transfer_timeout_s=args.transfer_timeout,
+                                 max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
+                                 security=security_from_args(args))
     metrics = Metrics.create("prefill")
     worker = PrefillWorker(config, _identity(args, "prefill", args.port), metrics)
     state = {}
@@ -104,16 +136,19 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 def cmd_decode(args: argparse.Namespace) -> int:
     from pdserve.cli import engine_config_from_args
     from pdserve.decode_service.server import DecodeWorker, DecodeWorkerConfig, serve_decode
-    from pdserve.metrics import Metrics
+    from pdserve.metrics import Metrics, SpecMetrics
 
     engine = engine_config_from_args(args)
     # Decode keeps no prefix cache: its pages come from prefill and return to the pool when a request ends.
     engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, enable_prefix_cache=False))
     config = DecodeWorkerConfig(engine, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
                                 kv_port=args.kv_port, kv_transport=args.kv_transport,
-                                transfer_timeout_s=args.transfer_timeout)
+                                transfer_timeout_s=args.transfer_timeout,
+                                max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
+                                security=security_from_args(args))
     metrics = Metrics.create("decode")
     worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics)
+    worker.core.spec_observer = SpecMetrics(metrics)  # pdserve_spec_* histograms (recorded only when speculating)
     state = {}
 
     def ready(port: int) -> None:
@@ -141,6 +176,19 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--balance-threshold", type=int, default=4,
                    help="extra requests tolerated on the prefix owner before load decides (default 4)")
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    g.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) on this port, same host and process (0 = a free one; default: off)")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-new-tokens-limit", type=int, default=None, metavar="N",
+                     help="refuse requests asking for more new tokens (default: only the model's context bounds it)")
+    lim.add_argument("--max-concurrent-requests", type=int, default=1024, metavar="N",
+                     help="requests in flight before new ones get RESOURCE_EXHAUSTED (default 1024)")
+    lim.add_argument("--max-request-bytes", type=int, default=16 << 20, metavar="B",
+                     help="largest request message accepted (default 16 MiB)")
+    add_reliability_args(p, internal_server=False).add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="require 'authorization: Bearer KEY' from clients (repeatable: any of the keys)")
 
 
 async def run_router(args: argparse.Namespace, on_ready=None) -> None:
@@ -168,23 +216,36 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
     else:
         discover = None
         ownership = OWNERSHIP_STORES.get("memory")()
-    pool = WorkerPool({"prefill": args.prefill, "decode": args.decode}, discover)
+    pool = WorkerPool({"prefill": args.prefill, "decode": args.decode}, discover, security=security_from_args(args))
     tokenizer = Tokenizer.from_model_dir(args.model) if args.model else None
-    router = Router(RouterConfig(args.host, args.port, args.balance_threshold,
-                                 records_ownership=not args.redis_url), pool, ownership, metrics, tokenizer)
+    # getattr: `pdserve up` builds these arguments itself and sets only the basic ones.
+    config = RouterConfig(args.host, args.port, args.balance_threshold, records_ownership=not args.redis_url,
+                          max_new_tokens_limit=getattr(args, "max_new_tokens_limit", None),
+                          max_concurrent_requests=getattr(args, "max_concurrent_requests", 1024),
+                          max_request_bytes=getattr(args, "max_request_bytes", 16 << 20))
+    router = Router(config, pool, ownership, metrics, tokenizer)
     server, port = await start_router(router)
+    http = None
+    if args.http_port is not None:  # after gRPC: both fronts share the router, its pool and its loop
+        from pdserve.router.openai_http import OpenAIHttpConfig, start_openai_http
+
+        http, http_port = await start_openai_http(
+            router, OpenAIHttpConfig(args.host, args.http_port, args.model, security=pool.security),
+            drain=server._pdserve_drain)  # one drain for both fronts: SIGTERM waits for HTTP requests too
     mport = _serve_metrics(metrics, args.metrics_port)
     _say(f"router serving pdserve.v1.Generation on {args.host}:{port} with "
          f"{len(pool.of_role('prefill'))} prefill and {len(pool.of_role('decode'))} decode workers"
-         + (f", metrics on :{mport}" if mport else ""))
+         + (f", OpenAI HTTP on :{http_port}" if http else "") + (f", metrics on :{mport}" if mport else ""))
     if on_ready:
         on_ready(port)
 
     async def stop() -> None:
+        if http is not None:
+            await http.cleanup()
         await pool.close()
         ownership.close()
 
-    await serve_until_signal(server, 5.0, stop)
+    await serve_until_signal(server, getattr(args, "drain_timeout", 30.0), stop)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -229,6 +290,11 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              "--page-size", str(args.page_size), "--num-pages", str(args.num_pages), "--max-num-batched-tokens",
              str(args.max_num_batched_tokens), "--max-running-requests", str(args.max_running_requests)]
     flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
+    if args.speculative_algorithm:  # prefill workers accept and ignore them: only decode rows speculate
+        flags += ["--speculative-algorithm", args.speculative_algorithm, "--speculative-num-steps",
+                  str(args.speculative_num_steps)]
+        if args.speculative_num_draft_tokens is not None:
+            flags += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     return flags + (["--no-prefix-cache"] if args.no_prefix_cache else []) + (
         ["--disable-cuda-graph"] if args.disable_cuda_graph else [])
 
@@ -263,7 +329,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             _wait_serving(name.split(":", 1)[1], proc, args.start_timeout)
         router_args = argparse.Namespace(
             host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
-            balance_threshold=args.balance_threshold, metrics_port=args.metrics_port,
+            balance_threshold=args.balance_threshold, metrics_port=args.metrics_port, http_port=args.http_port,
             prefill=[n.split(":", 1)[1] for n, _ in procs if n.startswith("prefill")],
             decode=[n.split(":", 1)[1] for n, _ in procs if n.startswith("decode")])
 

@@ -34,6 +34,17 @@ def generate(prompt, max_new_tokens=16):\n    return model.generate(prompt, max_
 """
 
 
+# A plain chat template in DeepSeek's spirit (tokens in the tiny vocabulary are plain text), so that
+# /v1/chat/completions works on the demo model; real checkpoints bring their own in tokenizer_config.json.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}{{ eos_token }}\n\n"
+    "{% else %}{{ raise_exception('roles are system, user and assistant; got ' + message['role']) }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
 def tiny_config_dict(arch: str = "deepseek_v3", fp8: bool = False, vocab_size: int = 512) -> dict[str, Any]:
     if arch not in ("deepseek_v3", "deepseek_v2"):
         raise ValueError(f"--arch {arch!r} is not supported; choose deepseek_v3 or deepseek_v2")
@@ -99,7 +110,8 @@ def train_tokenizer(out_dir: str, vocab_size: int) -> int:
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"add_bos_token": True, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS,
-                   "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
+                   "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast",
+                   "chat_template": CHAT_TEMPLATE}, f, indent=2)
     return tok.get_vocab_size()
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.engine import LLMEngine
+from pdserve.grpc_shell import exhausted
 from pdserve.kv_transfer import KVSender
 from pdserve.prefix_cache import block_hashes
 from pdserve.request import FinishReason, Request
@@ -45,8 +46,9 @@ class PrefillEngine:
     """Wraps an LLMEngine's scheduler and runner; every request ends after its first token."""
 
     def __init__(self, core: LLMEngine, sender: KVSender,
-                 on_blocks: Optional[Callable[[list[bytes]], None]] = None):
+                 on_blocks: Optional[Callable[[list[bytes]], None]] = None, max_queued: int = 256):
         self.core, self.sender = core, sender
+        self.max_queued = max_queued  # prompts waiting for compute; a bounded queue answers "full" at once
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.num_main_layers = core.model_config.num_hidden_layers
         self.ships_mtp = core.model.has_mtp_weights  # else the decode side gets no MTP layer (no speculation)
@@ -62,6 +64,9 @@ class PrefillEngine:
     def add(self, job: PrefillJob, handle) -> None:
         if job.request_id in self._jobs:
             raise ValueError(f"request_id {job.request_id!r} is already being prefilled")
+        if len(self.scheduler.waiting) >= self.max_queued:
+            raise exhausted(f"this prefill worker's queue is full ({self.max_queued} prompts waiting, "
+                            "--max-queued-requests); retry later or add prefill workers")
         p = job.params
         # The first token is drawn exactly as the single-process engine would draw it; the generator state then
         # travels with the KV so decode continues the same random stream.

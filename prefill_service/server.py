@@ -10,9 +10,12 @@ from typing import Optional
 
 import grpc
 
+from pdserve.auth import SecurityConfig, internal_auth
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine_loop import EngineLoop
-from pdserve.grpc_shell import ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving
+from pdserve.grpc_shell import (
+    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
+)
 from pdserve.kv_transfer import KVTransferError, TRANSPORTS
 from pdserve.metrics import Metrics
 from pdserve.rpc_convert import layout_from_proto, layout_to_proto, sampling_from_proto
@@ -26,7 +29,8 @@ from .engine import PrefillEngine, PrefillJob
 log = logging.getLogger(__name__)
 
 # KVTransferError kinds -> the status the router sees.
-TRANSFER_STATUS = {"incompatible": grpc.StatusCode.FAILED_PRECONDITION, "unreachable": grpc.StatusCode.UNAVAILABLE,
+TRANSFER_STATUS = {"incompatible": grpc.StatusCode.FAILED_PRECONDITION,
+                   "unauthenticated": grpc.StatusCode.FAILED_PRECONDITION, "unreachable": grpc.StatusCode.UNAVAILABLE,
                    "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "aborted": grpc.StatusCode.CANCELLED,
                    "peer_failed": grpc.StatusCode.UNAVAILABLE, "protocol": grpc.StatusCode.INTERNAL}
 
@@ -39,6 +43,9 @@ class PrefillWorkerConfig:
     kv_transport: str = "tcp"
     transfer_timeout_s: float = 300.0
     worker_id: Optional[str] = None
+    max_queued_requests: int = 256  # prompts waiting for compute; beyond: RESOURCE_EXHAUSTED at once
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
+    security: SecurityConfig = SecurityConfig()
 
 
 class PrefillWorker:
@@ -52,8 +59,10 @@ class PrefillWorker:
         ships_mtp = self.core.model.has_mtp_weights
         self.layout = kv_layout(self.core, ships_mtp)
         sender_cls = TRANSPORTS.get(config.kv_transport).sender
-        self.sender = sender_cls(self.layout, timeout_s=config.transfer_timeout_s)
-        self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held)
+        self.sender = sender_cls(self.layout, timeout_s=config.transfer_timeout_s,
+                                 token=config.security.internal_token)
+        self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held,
+                                    max_queued=config.max_queued_requests)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
@@ -162,11 +171,15 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return self.w.info()
 
 
-async def serve_prefill(worker: PrefillWorker, grace_s: float = 5.0, ready=None) -> None:
-    """Run the worker's gRPC server until SIGTERM/SIGINT."""
+async def serve_prefill(worker: PrefillWorker, ready=None) -> None:
+    """Run the worker's gRPC server until SIGTERM/SIGINT, then drain (see grpc_shell.serve_until_signal)."""
+    sec = worker.config.security
     server, port = create_server(worker.config.host, worker.config.port,
                                  [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name],
-                                 lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), s))
+                                 lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), s),
+                                 interceptors=internal_auth(sec),
+                                 drain=Drain(tracked={"Prefill"}, refused={"Prefill", "GetLoad"}),
+                                 credentials=sec.server_credentials())
     worker.start(asyncio.get_running_loop())
     await start_serving(server)
     if ready is not None:
@@ -175,4 +188,4 @@ async def serve_prefill(worker: PrefillWorker, grace_s: float = 5.0, ready=None)
     async def stop() -> None:
         worker.loop.stop()
 
-    await serve_until_signal(server, grace_s, stop)
+    await serve_until_signal(server, worker.config.drain_timeout_s, stop)

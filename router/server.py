@@ -4,6 +4,7 @@ balanced against load), and relays the decode worker's stream to the client."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -12,10 +13,13 @@ from typing import AsyncIterator, Optional
 
 import grpc
 
-from pdserve.grpc_shell import ServiceError, abort_with, create_server, invalid, start_serving
+from pdserve.auth import BearerAuthInterceptor
+from pdserve.grpc_shell import (
+    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, start_serving,
+)
 from pdserve.metrics import Metrics
 from pdserve.prefix_cache import block_hashes
-from pdserve.rpc_convert import FINISH_FROM_PROTO, sampling_from_proto, sampling_to_proto
+from pdserve.rpc_convert import DEFAULT_MAX_NEW_TOKENS, FINISH_FROM_PROTO, sampling_from_proto, sampling_to_proto
 from pdserve.sampling import SamplingParams
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2 as gen_pb
@@ -28,25 +32,46 @@ from .workers import Worker, WorkerPool, pick_decode, pick_prefill
 log = logging.getLogger(__name__)
 
 
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 0
     balance_threshold: int = 4  # extra queued requests tolerated on the prefix owner before load wins
     records_ownership: bool = True  # False when prefill workers publish to Redis themselves
+    max_new_tokens_limit: Optional[int] = None  # per request; None: only the model's context bounds it
+    max_concurrent_requests: int = 1024  # requests in flight on this router; beyond: RESOURCE_EXHAUSTED
+    max_request_bytes: int = 16 << 20  # largest GenerateRequest accepted (gRPC answers RESOURCE_EXHAUSTED)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens_limit is not None and self.max_new_tokens_limit < 1:
+            raise ValueError(f"--max-new-tokens-limit must be >= 1, got {self.max_new_tokens_limit}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
 
 
 class Router:
+    """Request checks (nothing invalid reaches a worker), admission (concurrency limit, unique in-flight ids), and
+    one request's life across a prefill and a decode worker, retried once elsewhere if a worker was unreachable
+    before any token reached the client."""
+
     def __init__(self, config: RouterConfig, pool: WorkerPool, ownership: OwnershipStore, metrics: Metrics,
                  tokenizer: Optional[Tokenizer]):
         self.config, self.pool, self.ownership, self.metrics, self.tokenizer = (config, pool, ownership, metrics,
                                                                                 tokenizer)
         self._ownership_retry_at = 0.0
         self._turn = 0  # round-robin among equally good workers
+        self._in_flight_ids: set[str] = set()  # client-given ids of requests running now
+        self.num_active = 0
 
     # ---- choosing workers --------------------------------------------------------------------------------------
-    async def choose(self, prompt_ids: list[int]) -> tuple[Worker, Worker, list[bytes], str]:
-        prefills, decodes = self.pool.of_role("prefill"), self.pool.of_role("decode")
+    async def choose(self, prompt_ids: list[int], avoid: frozenset[str] = frozenset()
+                     ) -> tuple[Worker, Worker, list[bytes], str]:
+        """avoid: addresses to skip when another worker of the same role is healthy (the retry of a request)."""
+        prefills, decodes = (_prefer_others(self.pool.of_role(role), avoid) for role in ("prefill", "decode"))
         if not prefills or not decodes:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"no healthy workers: {len(prefills)} prefill, {len(decodes)} decode")
@@ -77,6 +102,7 @@ class Router:
                 return w.info.model
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no worker has reported yet")
 
+    # ---- checks: every field a client sets, before anything reaches a worker ---------------------------------------
     def prompt_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
@@ -93,54 +119,127 @@ class Router:
         return self.check_ids(self.tokenizer.encode(text), field)
 
     def check_ids(self, ids: list[int], field: str = "input_ids") -> list[int]:
+        """The prompt is non-empty, in the vocabulary, and leaves room for at least one new token."""
         if not ids:
             raise invalid(f"{field}: the prompt is empty")
-        vocab = self.model_info().vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        info = self.model_info()
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
         if bad:
-            raise invalid(f"{field}: token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+            raise invalid(f"{field}: token ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
+        if len(ids) >= info.max_context_length:
+            raise invalid(f"{field}: the prompt has {len(ids)} tokens; the model's context is "
+                          f"{info.max_context_length}, so a prompt may have at most {info.max_context_length - 1}")
         return ids
 
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int,
+                     field: str = "sampling_params") -> None:
+        """Limits SamplingParams itself cannot know (its own checks ran when it was built). A request must fit the
+        context as asked: prompt + max_new_tokens above it is refused (as vLLM does) rather than cut short."""
+        info = self.model_info()
+        limit = self.config.max_new_tokens_limit
+        if limit is not None and params.max_new_tokens > limit:
+            raise invalid(f"{field}.max_new_tokens: {params.max_new_tokens} is above this server's limit of "
+                          f"{limit} (--max-new-tokens-limit)")
+        room = info.max_context_length - num_prompt_tokens
+        if params.max_new_tokens > room:
+            raise invalid(f"{field}.max_new_tokens: prompt ({num_prompt_tokens} tokens) + max_new_tokens "
+                          f"({params.max_new_tokens}) exceeds the model's context of {info.max_context_length} "
+                          f"tokens; ask for at most {room}")
+        bad = [t for t in params.stop_token_ids if t >= info.vocab_size]
+        if bad:
+            raise invalid(f"{field}.stop_token_ids: ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
+        if len(params.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
+            raise invalid(f"{field}.stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} "
+                          f"characters each")
+        if params.stop and self.tokenizer is None:
+            raise invalid(f"{field}.stop: stop strings need a tokenizer; start the router with --model DIR")
+
+    def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """For a request that did not set max_new_tokens: the default, cut to what the context and limit allow."""
+        room = self.model_info().max_context_length - num_prompt_tokens
+        return max(1, min(DEFAULT_MAX_NEW_TOKENS, room, self.config.max_new_tokens_limit or room))
+
+    @staticmethod
+    def check_request_id(request_id: str) -> None:
+        if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+            raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} printable characters (got "
+                          f"{len(request_id)} characters)")
+
     # ---- one request, start to finish (shared by the gRPC and HTTP fronts) -----------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str = "") -> AsyncIterator[gen_pb.GenerateResponse]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
+                       timeout_s: Optional[float] = None) -> AsyncIterator[gen_pb.GenerateResponse]:
         """Chunks of new tokens, then one `complete` message. Failures raise ServiceError with the status a client
-        should see (a worker's own status is passed through). Cancelling the iteration drops the request on both
-        workers."""
+        should see (a worker's own status is passed through). `timeout_s`: the client's remaining deadline, passed
+        on to every worker call. Cancelling the iteration drops the request on both workers."""
         m = self.metrics
         arrival = time.monotonic()
-        rid = request_id or uuid.uuid4().hex
+        deadline = None if timeout_s is None else arrival + timeout_s
         try:
-            prefill, decode, hashes, _ = await self.choose(prompt_ids)
+            self.check_ids(prompt_ids, "prompt")  # again here: the HTTP front calls generate() directly
+            self.check_params(params, len(prompt_ids))
+            self.check_request_id(request_id)
+            if request_id and request_id in self._in_flight_ids:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in "
+                                   "flight on this router; give each request its own id")
+            if self.num_active >= self.config.max_concurrent_requests:
+                raise exhausted(f"the router is at its limit of {self.config.max_concurrent_requests} concurrent "
+                                "requests (--max-concurrent-requests); retry later")
         except ServiceError:
             m.count(m.requests, outcome="rejected")
             raise
+        rid = request_id or uuid.uuid4().hex
+        self.num_active += 1
+        if request_id:
+            self._in_flight_ids.add(request_id)
         outcome = "failed"
-        prefill.in_flight += 1
-        decode.in_flight += 1
         try:
-            async for msg in self._relay(rid, prompt_ids, params, prefill, decode, hashes, arrival):
-                yield msg
-            outcome = "finished"
+            tried: frozenset[str] = frozenset()
+            for attempt in range(2):
+                prefill, decode, hashes, _ = await self.choose(prompt_ids, avoid=tried)
+                streamed = False
+                prefill.in_flight += 1
+                decode.in_flight += 1
+                try:
+                    # Workers see one id per attempt, so a retry never collides with the first try's leftovers.
+                    internal_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
+                    async for msg in self._relay(internal_id, prompt_ids, params, prefill, decode, hashes, arrival,
+                                                 deadline):
+                        streamed = True
+                        msg.request_id = rid
+                        yield msg
+                    outcome = "finished"
+                    return
+                except grpc.aio.AioRpcError as e:  # a worker's status, passed through (or retried)
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.pool.poll_soon(prefill, decode)
+                    if e.code() == grpc.StatusCode.UNAVAILABLE and not streamed and attempt == 0:
+                        log.warning("request %s: %s; retrying once on other workers", rid, e.details())
+                        m.count(m.router_decisions, reason="retry")
+                        tried = frozenset({prefill.address, decode.address})
+                        continue
+                    raise ServiceError(e.code(), e.details() or e.code().name) from None
+                finally:
+                    prefill.in_flight -= 1
+                    decode.in_flight -= 1
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "aborted"
             raise
-        except grpc.aio.AioRpcError as e:  # a worker's status, passed through
-            raise ServiceError(e.code(), e.details() or e.code().name) from None
         finally:
-            prefill.in_flight -= 1
-            decode.in_flight -= 1
+            self.num_active -= 1
+            self._in_flight_ids.discard(request_id)
             m.count(m.requests, outcome=outcome)
 
-    async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival):
+    async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival, deadline):
         m = self.metrics
         sp = sampling_to_proto(params)
+        md = self.pool.metadata
         reserve: pb.ReserveResponse = await decode.stub.Reserve(
-            pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp))
-        decode_call = decode.stub.Decode(pb.DecodeRequest(room=reserve.room))
+            pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
+            metadata=md)
+        decode_call = decode.stub.Decode(pb.DecodeRequest(room=reserve.room), timeout=_left(deadline), metadata=md)
         prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
             request_id=rid, input_ids=ids, sampling_params=sp, room=reserve.room, kv_endpoint=reserve.kv_endpoint,
-            dst_pages=reserve.dst_pages, dst_layout=reserve.layout)))
+            dst_pages=reserve.dst_pages, dst_layout=reserve.layout), timeout=_left(deadline), metadata=md))
         output_ids: list[int] = []
         text: list[str] = []
         last = None
@@ -206,26 +305,50 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             await abort_with(context, e)
 
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        r = self.r
         try:
-            ids = self.r.prompt_ids(request)
+            ids = r.prompt_ids(request)
             params = sampling_from_proto(request.sampling_params)
+            if not request.sampling_params.HasField("max_new_tokens"):
+                params = dataclasses.replace(params, max_new_tokens=r.default_max_new_tokens(len(ids)))
         except (ServiceError, ValueError) as e:
-            self.r.metrics.count(self.r.metrics.requests, outcome="rejected")
+            r.metrics.count(r.metrics.requests, outcome="rejected")
             await abort_with(context, e)
         try:
-            async for msg in self.r.generate(ids, params, request.request_id):
+            async for msg in r.generate(ids, params, request.request_id, timeout_s=context.time_remaining()):
                 yield msg
         except ServiceError as e:
             await abort_with(context, e)
 
 
 async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
+    security = router.pool.security
+    options = [("grpc.max_receive_message_length", router.config.max_request_bytes),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    auth = [BearerAuthInterceptor(security.api_keys, "--api-key")] if security.api_keys else []
     server, port = create_server(
         router.config.host, router.config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name],
-        lambda s: gen_grpc.add_GenerationServicer_to_server(GenerationServicer(router), s))
+        lambda s: gen_grpc.add_GenerationServicer_to_server(GenerationServicer(router), s), options=options,
+        interceptors=auth, drain=Drain(tracked={"Generate"}, refused={"Generate"}),
+        credentials=security.server_credentials())
     await router.pool.start()
     await start_serving(server)
     return server, port
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left before the client's deadline (None: no deadline), for a worker call's timeout."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+    return left
+
+
+def _prefer_others(workers: list[Worker], avoid: frozenset[str]) -> list[Worker]:
+    others = [w for w in workers if w.address not in avoid]
+    return others or workers
 
 
 __all__ = ["Router", "RouterConfig", "GenerationServicer", "start_router", "FINISH_FROM_PROTO"]

@@ -11,7 +11,8 @@ from typing import Optional
 
 import grpc
 
-from pdserve.grpc_shell import CHANNEL_OPTIONS
+from pdserve.auth import SecurityConfig
+from pdserve.grpc_shell import INTERNAL_CHANNEL_OPTIONS
 from pdserve.kv_transfer import KVLayout
 from pdserve.rpc_convert import layout_from_proto
 from pdserve.v1 import worker_pb2 as pb
@@ -45,23 +46,34 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, static: dict[str, list[str]], discover=None, refresh_s: float = 1.0):
-        """static: role -> addresses; discover(role) -> list of addresses (Redis registry) or None."""
+    def __init__(self, static: dict[str, list[str]], discover=None, refresh_s: float = 1.0,
+                 security: SecurityConfig = SecurityConfig()):
+        """static: role -> addresses; discover(role) -> list of addresses (Redis registry) or None. A worker is
+        healthy while its polls succeed: one that dies (or drains) drops out within refresh_s, one that comes back
+        at a known address (static, or registered again in Redis) rejoins at the next poll."""
         self.workers: dict[str, Worker] = {}
         self._static, self._discover, self.refresh_s = static, discover, refresh_s
+        self.security = security
+        self.metadata = security.internal_metadata()  # sent with every call to a worker
         for role, addresses in static.items():
             for a in addresses:
                 self._add(a, role)
         self._task: Optional[asyncio.Task] = None
 
     def _add(self, address: str, role: str) -> Worker:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = self.security.channel(address, INTERNAL_CHANNEL_OPTIONS)
         w = Worker(address, role, channel, ROLE_STUBS[role](channel))
         self.workers[address] = w
         return w
 
     def of_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
+
+    def poll_soon(self, *workers: Worker) -> None:
+        """Re-check workers now (a call to them just failed): a dead one is out of rotation at once, not at the
+        next refresh."""
+        for w in workers:
+            asyncio.ensure_future(self._poll(w))
 
     async def start(self) -> None:
         await self.refresh()
@@ -100,8 +112,8 @@ class WorkerPool:
     async def _poll(self, w: Worker) -> None:
         try:
             if w.info is None:
-                w.info = await w.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=2.0)
-            w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=2.0)
+                w.info = await w.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=2.0, metadata=self.metadata)
+            w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=2.0, metadata=self.metadata)
             w.healthy, w.last_ok = True, time.monotonic()
         except grpc.aio.AioRpcError as e:
             if w.healthy:

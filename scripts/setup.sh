@@ -7,12 +7,16 @@ cd "$(dirname "$0")/.."
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q "torch==2.13.0" \
   || python3 -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 python3 -m pip install -q -e ".[test]"
-# A real redis-server for the routing tests (Debian's package); without it those tests skip themselves.
-if ! command -v redis-server >/dev/null 2>&1; then
+# Debian's redis-server (routing tests) and prometheus (the monitoring test scrapes a running stack with it; promtool
+# checks deploy/prometheus); without them those tests skip themselves.
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
-      || echo "setup: could not install redis-server; Redis tests will be skipped" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null) || echo "setup: could not install ${missing[*]}; their tests will be skipped" >&2
   else
-    echo "setup: redis-server is not installed (sudo apt-get install redis-server); Redis tests will be skipped" >&2
+    echo "setup: ${missing[*]} not installed (sudo apt-get install ${missing[*]}); their tests will be skipped" >&2
   fi
 fi

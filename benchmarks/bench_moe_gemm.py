@@ -1,0 +1,207 @@
+"""Block-FP8 dense GEMMs and fused-MoE grouped GEMMs against the cuBLAS FP8 rate measured in the same run.
+
+Ceiling: `torch._scaled_mm` with per-tensor scales (cuBLAS FP8, fp32 accumulation, bf16 out) at the same
+(M, N, K). Ours: the Triton block-FP8 GEMM (kernels/triton_fp8.py) and torch's blockwise `scaled_mm` where this
+torch has it, timed on pre-quantized activations like the ceiling ("gemm") and with the per-token-group
+quantization included ("linear"). MoE (DeepSeek-V3: E=256, top-8, H=7168, I=2048, fp8): the gate-up and down
+grouped GEMMs alone and the whole fused layer at prefill sizes; their ceiling is cuBLAS FP8 on one dense GEMM of
+the same total size (M = T * top_k rows), so routing imbalance and padding count against us.
+
+    python benchmarks/bench_moe_gemm.py --out benchmarks/results/moe_gemm_h100.json
+    python benchmarks/bench_moe_gemm.py --m 1 16 128 4096 8192 --moe-tokens 4096 8192 --sweep
+
+NOTE: small-M numbers re-read weights that stay in L2 between iterations (50 MB on H100); they are upper bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdserve.kernels.gemm import FP8_DTYPE, block_quant  # noqa: E402
+from pdserve.kernels.moe import RoutingConfig, select_experts  # noqa: E402
+from pdserve.kernels.triton_gemm import scaled_mm_blockwise_available, scaled_mm_weight_scale  # noqa: E402
+
+DENSE = {"q_a_proj": (1536, 7168), "kv_b_proj": (32768, 512), "o_proj": (7168, 16384), "k640": (2048, 640)}
+SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=s, SPLIT_K=1)
+         for bm, bn, w, s in [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3),
+                              (64, 256, 4, 3), (128, 128, 8, 4)]]
+
+
+def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def cublas_fp8_tflops(m: int, n: int, k: int) -> float:
+    """cuBLAS FP8 rate at (M, N, K); where it refuses M (alignment), at M rounded up to 16, counting those rows."""
+    b = torch.randn(n, k, device="cuda").to(FP8_DTYPE)
+    one = torch.ones((), device="cuda")
+    for rows in (m, -(-m // 16) * 16):
+        a = torch.randn(rows, k, device="cuda").to(FP8_DTYPE)
+        try:
+            t = cuda_time(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        except RuntimeError:
+            continue
+        return 2 * rows * n * k / t / 1e12
+    raise RuntimeError(f"torch._scaled_mm refused ({m}, {n}, {k})")
+
+
+def bench_dense(ms: list[int], sweep: bool) -> list[dict]:
+    from pdserve.kernels import triton_fp8
+    import torch.nn.functional as F
+
+    rows = []
+    for name, (n, k) in DENSE.items():
+        wq, ws = block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+        sb = scaled_mm_weight_scale(ws)
+        for m in ms:
+            flops = 2 * m * n * k
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ceiling = cublas_fp8_tflops(m, n, k)
+            xq, xs = triton_fp8.per_token_group_quant(x)
+            cands = {"triton_gemm": lambda: triton_fp8.block_fp8_matmul(xq, xs, wq, ws),
+                     "triton_linear": lambda: triton_fp8.block_fp8_matmul(*triton_fp8.per_token_group_quant(x), wq, ws)}
+            if scaled_mm_blockwise_available():
+                xq4, xs4 = triton_fp8.per_token_group_quant(x, column_major_scales=True, pad_rows_to=4)
+
+                def blockwise(xq4=xq4, xs4=xs4):
+                    return F.scaled_mm(xq4, wq.t(), xs4, F.ScalingType.BlockWise1x128, sb,
+                                       F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+                def blockwise_linear():
+                    return blockwise(*triton_fp8.per_token_group_quant(x, column_major_scales=True, pad_rows_to=4))
+
+                cands["scaled_mm_gemm"], cands["scaled_mm_linear"] = blockwise, blockwise_linear
+            if sweep and m >= 1024:
+                for i, cfg in enumerate(SWEEP):
+                    cands[f"triton_sweep{i}"] = lambda cfg=cfg: triton_fp8.block_fp8_matmul(xq, xs, wq, ws, config=cfg)
+            row = {"shape": name, "M": m, "N": n, "K": k, "cublas_fp8_tflops": ceiling}
+            for label, fn in cands.items():
+                try:
+                    tflops = flops / cuda_time(fn) / 1e12
+                except Exception as exc:  # e.g. a sweep config out of shared memory, or scaled_mm refusing a shape
+                    row[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                    continue
+                row[label] = {"tflops": tflops, "fraction_of_cublas": tflops / ceiling}
+            if sweep and m >= 1024:
+                best = max((i for i in range(len(SWEEP)) if "tflops" in row.get(f"triton_sweep{i}", {})),
+                           key=lambda i: row[f"triton_sweep{i}"]["tflops"], default=None)
+                row["best_sweep_config"] = SWEEP[best] if best is not None else None
+            rows.append(row)
+            print_row(row)
+    return rows
+
+
+def bench_moe(token_counts: list[int]) -> list[dict]:
+    from pdserve.kernels import moe_align, triton_fp8, triton_moe_kernels as k
+    from pdserve.kernels.moe_configs import get_config
+
+    num_experts, hidden, inter, top_k = 256, 7168, 2048, 8
+    w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE, device="cuda")
+    w2 = torch.empty(num_experts, hidden, inter, dtype=FP8_DTYPE, device="cuda")
+    for lo in range(0, num_experts, 16):
+        w13[lo:lo + 16] = (torch.randn(16, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.05).to(FP8_DTYPE)
+        w2[lo:lo + 16] = (torch.randn(16, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.05).to(FP8_DTYPE)
+    s13 = torch.rand(num_experts, 2 * inter // 128, hidden // 128, device="cuda") * 1e-2 + 1e-3
+    s2 = torch.rand(num_experts, hidden // 128, inter // 128, device="cuda") * 1e-2 + 1e-3
+    routing = RoutingConfig(top_k, "sigmoid", "noaux_tc", 8, 4, True, 2.5)
+    rows = []
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = select_experts(torch.randn(tokens, num_experts, device="cuda"),
+                                      torch.randn(num_experts, device="cuda") * 0.1, routing)
+        pairs = tokens * top_k
+        cfg = get_config(tokens, num_experts, inter, hidden, top_k, FP8_DTYPE)
+        aligned = moe_align.align_tokens_layout(ids, num_experts, cfg["BLOCK_M"])
+        a, a_s = triton_fp8.per_token_group_quant(x)
+        act = torch.empty(pairs, inter, dtype=FP8_DTYPE, device="cuda")
+        act_s = torch.empty(pairs, inter // 128, device="cuda")
+        out = torch.empty(pairs, hidden, dtype=torch.bfloat16, device="cuda")
+        gate_up_flops, down_flops = 2 * pairs * 2 * inter * hidden, 2 * pairs * hidden * inter
+        t_gate_up = cuda_time(lambda: k.invoke_fused_moe_gemm(a, a_s, w13, s13, act, act_s, None, aligned, top_k,
+                                                              True, cfg["BLOCK_M"], cfg["gate_up"]), iters=10)
+        t_down = cuda_time(lambda: k.invoke_fused_moe_gemm(act, act_s, w2, s2, out, None, weights.view(-1), aligned,
+                                                           1, False, cfg["BLOCK_M"], cfg["down"]), iters=10)
+        t_layer = cuda_time(lambda: k.fused_experts(x, weights, ids, w13, w2, s13, s2), iters=10)
+        ceil_gate_up = cublas_fp8_tflops(pairs, 2 * inter, hidden)
+        ceil_down = cublas_fp8_tflops(pairs, hidden, inter)
+        ceil_layer = (gate_up_flops + down_flops) / (gate_up_flops / ceil_gate_up + down_flops / ceil_down)
+        row = {"tokens": tokens, "rows": pairs, "config": cfg,
+               "rows_padded": int(aligned.num_tokens_post_padded),
+               "gate_up": _rate(gate_up_flops, t_gate_up, ceil_gate_up),
+               "down": _rate(down_flops, t_down, ceil_down),
+               "layer": _rate(gate_up_flops + down_flops, t_layer, ceil_layer)}
+        rows.append(row)
+        print_moe(row)
+    return rows
+
+
+def _rate(flops: float, seconds: float, ceiling: float) -> dict:
+    tflops = flops / seconds / 1e12
+    return {"ms": seconds * 1e3, "tflops": tflops, "cublas_fp8_tflops": ceiling, "fraction_of_cublas": tflops / ceiling}
+
+
+def print_row(row: dict) -> None:
+    cells = [f"{row['shape']:>9} M={row['M']:<5} cuBLAS-fp8 {row['cublas_fp8_tflops']:7.1f} TF/s"]
+    for key, val in row.items():
+        if isinstance(val, dict) and "tflops" in val:
+            cells.append(f"{key} {val['tflops']:6.1f} ({val['fraction_of_cublas']:.0%})")
+    print(" | ".join(cells), flush=True)
+
+
+def print_moe(row: dict) -> None:
+    print(f"MoE T={row['tokens']:<5} rows {row['rows']} (padded {row['rows_padded']}) | "
+          + " | ".join(f"{name} {row[name]['ms']:.3f} ms {row[name]['tflops']:6.1f} TF/s "
+                       f"({row[name]['fraction_of_cublas']:.0%} of {row[name]['cublas_fp8_tflops']:.0f})"
+                       for name in ("gate_up", "down", "layer")), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 128, 4096, 8192], help="dense GEMM rows")
+    p.add_argument("--moe-tokens", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--sweep", action="store_true", help="also time a few Triton tile configs at M >= 1024")
+    p.add_argument("--skip-dense", action="store_true")
+    p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe_gemm.py needs a CUDA GPU")
+    import triton
+
+    result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "triton": triton.__version__, "scaled_mm_blockwise": scaled_mm_blockwise_available()}
+    if not args.skip_dense:
+        result["dense"] = bench_dense(args.m, args.sweep)
+    if not args.skip_moe:
+        result["moe"] = bench_moe(args.moe_tokens)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Absorbed MLA decode over the paged latent cache, in Triton (split-KV + log-sum-exp merge).
+
+One query row per sequence: q_latent (B, H, R) and q_pe (B, H, P) attend over the sequence's cached tokens, each
+[c_kv (R) | k_pe (P)] in one row of kv_layer (num_slots, R + P); c_kv is both key (with k_pe) and value.
+
+Stage 1, grid (B, cdiv(H, BLOCK_H), num_splits): a program owns BLOCK_H heads of one sequence and one contiguous
+range of its pages (the split). It walks its tokens BLOCK_N at a time, gathering rows through the page table, and
+loads each latent tile once for all BLOCK_H heads: scores = q_lat @ c_kv^T + q_pe @ k_pe^T, (BLOCK_H, BLOCK_N), then
+acc += p @ c_kv, (BLOCK_H, R), with an online softmax in fp32. It writes its normalised partial output and
+natural-log LSE; a split past the sequence's end writes output 0 and LSE -inf.
+Stage 2, grid (B, H): merges the splits by LSE into the output, in q's dtype. With one split, stage 1 writes the
+output itself and stage 2 is skipped.
+
+CUDA graphs: no host syncs and no data-dependent host control flow. The grid depends only on B, H and num_splits,
+which `choose_num_splits` derives from static shapes (page_table.shape[1]); loop bounds inside the kernels come from
+seq_lens on the device, so a captured launch replays correctly after seq_lens / page_table change in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_support import check_device, interpreter_requested, next_pow2, num_sms, patch_interpreter_for_numpy2
+
+if interpreter_requested():
+    patch_interpreter_for_numpy2()
+
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 512  # below this, the merge's extra traffic (H x R fp32 per split) stops paying
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile sizes of stage 1. Chosen from offline sm_90a compiles (ptxas: no spills), not yet timed on a GPU:
+    benchmarks/bench_mla_decode.py --sweep times the alternatives."""
+
+    block_h: int = 16  # heads per program sharing each latent tile (the tl.dot M dimension: >= 16)
+    block_n: int = 32  # tokens per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_decode_config(dtype: torch.dtype, heads: int) -> DecodeConfig:
+    if dtype == torch.float32:  # fp32 tiles are twice as large: keep registers and shared memory in bounds
+        return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    if heads >= 64:  # 64 heads per latent tile: a quarter of the tile reloads, and M=64 allows Hopper's wgmma
+        return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    return DecodeConfig()
+
+
+def choose_num_splits(batch: int, heads: int, max_pages: int, page_size: int, block_h: int, sms: int) -> int:
+    """Splits of each sequence's page range: enough programs for about two per SM, each split >= 512 tokens
+    of the static capacity max_pages * page_size. Depends on shapes only (CUDA-graph safe)."""
+    programs = batch * -(-heads // block_h)
+    want = -(-2 * sms // programs)
+    by_length = max(1, (max_pages * page_size) // MIN_TOKENS_PER_SPLIT)
+    splits = max(1, min(want, by_length, max_pages, MAX_SPLITS))
+    pages_per_split = -(-max_pages // splits)
+    return -(-max_pages // pages_per_split)  # no split left empty by rounding
+
+
+@triton.jit
+def _split_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
+                  sm_scale_log2, num_heads, max_pages, pages_per_split,
+                  stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h, stride_kv, stride_pt_b,
+                  stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_o_b, stride_o_h,
+                  R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                  DIRECT: tl.constexpr):
+    b = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    h_mask = offs_h < num_heads
+    r_mask = offs_r < R
+    p_mask = offs_p < P
+
+    kv_dtype = kv_ptr.dtype.element_ty
+    q_lat = tl.load(q_lat_ptr + b * stride_ql_b + offs_h[:, None] * stride_ql_h + offs_r[None, :],
+                    mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(kv_dtype)  # (BLOCK_H, BLOCK_R)
+    q_pe = tl.load(q_pe_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_p[None, :],
+                   mask=h_mask[:, None] & p_mask[None, :], other=0.0).to(kv_dtype)  # (BLOCK_H, BLOCK_P)
+
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b).to(tl.int32), max_pages * PAGE_SIZE)
+    tok_lo = split * pages_per_split * PAGE_SIZE
+    tok_hi = tl.minimum(seq_len, tok_lo + pages_per_split * PAGE_SIZE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for start in range(tok_lo, tok_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < tok_hi
+        page = tl.load(page_table_ptr + b * stride_pt_b + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = kv_ptr + (page * PAGE_SIZE + offs_n % PAGE_SIZE) * stride_kv  # (BLOCK_N,) row pointers, int64 math
+        c_kv = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                       other=0.0)  # (BLOCK_N, BLOCK_R): key and value, loaded once for all BLOCK_H heads
+        k_pe = tl.load(rows[:, None] + R + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :],
+                       other=0.0)  # (BLOCK_N, BLOCK_P)
+        if IEEE:
+            qk = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
+            qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk, input_precision="ieee")
+        else:
+            qk = tl.dot(q_lat, tl.trans(c_kv))
+            qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)  # (BLOCK_H, BLOCK_N) fp32
+        qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile holds at least one key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p.to(kv_dtype), c_kv, acc=acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(kv_dtype), c_kv, acc=acc * alpha[:, None])
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # a row or split without keys: 0
+    if DIRECT:  # one split: this is the final output, no merge pass
+        tl.store(out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_r[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & r_mask[None, :])
+    else:
+        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(mid_o_ptr + b * stride_mo_b + offs_h[:, None] * stride_mo_h + split * stride_mo_s
+                 + offs_r[None, :], out, mask=h_mask[:, None] & r_mask[None, :])
+        tl.store(mid_lse_ptr + b * stride_ml_b + offs_h * stride_ml_h + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
+                  stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_o_b, stride_o_h,
+                  R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    lse_row = mid_lse_ptr + b * stride_ml_b + h * stride_ml_h
+    lses = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))  # (BLOCK_S,)
+    m = tl.max(lses, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight below is 0
+    denom = tl.sum(tl.exp(lses - m), 0)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    o_row = mid_o_ptr + b * stride_mo_b + h * stride_mo_h
+    for s in range(0, num_splits):
+        w = tl.exp(tl.load(lse_row + s) - m)  # 0 for an empty split (stage 1 wrote its partial output as 0)
+        acc += w * tl.load(o_row + s * stride_mo_s + offs_r, mask=r_mask, other=0.0)
+    out = tl.where(denom > 0.0, acc / tl.where(denom > 0.0, denom, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_o_b + h * stride_o_h + offs_r, out.to(out_ptr.dtype.element_ty), mask=r_mask)
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor,
+               seq_lens: torch.Tensor, page_size: int, sm_scale: float, *, out: Optional[torch.Tensor] = None,
+               num_splits: Optional[int] = None, config: Optional[DecodeConfig] = None) -> torch.Tensor:
+    """Absorbed MLA decode (contract of AttentionBackend.mla_decode), optionally into a preallocated `out`.
+
+    q_latent (B, H, R), q_pe (B, H, P); kv_layer (num_slots, R + P), last dim contiguous; page_table
+    (B, max_pages) int32/int64; seq_lens (B,) int32/int64 on the device, each <= max_pages * page_size (longer is
+    clipped). num_splits defaults to `choose_num_splits` on static shapes. Returns out (B, H, R) in q's dtype.
+    """
+    check_device(q_latent)
+    batch, heads, rank = q_latent.shape
+    rope = q_pe.shape[-1]
+    if kv_layer.shape[-1] != rank + rope:
+        raise ValueError(f"kv_layer width {kv_layer.shape[-1]} != R + P = {rank} + {rope}")
+    if kv_layer.stride(-1) != 1:
+        raise ValueError("kv_layer must be contiguous in its last dimension")
+    if q_latent.stride(-1) != 1:
+        q_latent = q_latent.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    cfg = config or default_decode_config(kv_layer.dtype, heads)
+    max_pages = page_table.shape[1]
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, heads, max_pages, page_size, cfg.block_h, num_sms(q_latent.device))
+    pages_per_split = -(-max_pages // num_splits)
+    if out is None:
+        out = torch.empty_like(q_latent)
+    elif out.shape != q_latent.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q_latent.shape)} with a contiguous last dimension")
+    if batch == 0:
+        return out
+    direct = num_splits == 1
+    # Partial outputs and LSEs per split (unused, 1-element placeholders, when one split writes out directly).
+    mid_o = torch.empty(*((1, 1, 1, 1) if direct else (batch, heads, num_splits, rank)), dtype=torch.float32,
+                        device=q_latent.device)
+    mid_lse = torch.empty(*((1, 1, 1) if direct else (batch, heads, num_splits)), dtype=torch.float32,
+                          device=q_latent.device)
+
+    grid = (batch, -(-heads // cfg.block_h), num_splits)
+    _split_kernel[grid](
+        q_latent, q_pe, kv_layer, page_table, seq_lens, mid_o, mid_lse, out,
+        sm_scale * 1.4426950408889634, heads, max_pages, pages_per_split,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_layer.stride(0),
+        page_table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        R=rank, P=rope, BLOCK_R=max(16, next_pow2(rank)), BLOCK_P=max(16, next_pow2(rope)), PAGE_SIZE=page_size,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IEEE=kv_layer.dtype == torch.float32, DIRECT=direct,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if direct:
+        return out
+    _merge_kernel[(batch, heads)](
+        mid_o, mid_lse, out, num_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        R=rank, BLOCK_R=next_pow2(rank), BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
+    return out

@@ -1,0 +1,278 @@
+"""Fused MoE in Triton (like vLLM's fused_moe_kernel): the kernels behind the "triton" MoE backend (triton_moe.py).
+
+Per call, with T tokens, top_k slots, P = T * top_k (token, slot) pairs, E experts, hidden H, intermediate I:
+1. fp8 weights: x is quantized once per token per 128 channels (e4m3 + fp32 scales, `per_token_group_quant`);
+2. `align_tokens_layout` sorts the pairs by expert into segments padded to BLOCK_M rows (moe_align.py);
+3. gate-up kernel: for each BLOCK_M rows of one expert and BLOCK_N intermediate columns, x[pair // top_k] @
+   w13[e]^T for the gate and the up half at once (two accumulators), SiLU(gate) * up in fp32, written per pair as
+   (P, I); for fp8 the 1x128 quantization of that activation is fused in the epilogue (BLOCK_N a multiple of 128);
+4. down kernel: act[pair] @ w2[e]^T times the pair's routing weight, written per pair as (P, H);
+5. the combine sums each token's top_k rows into (T, H).
+Everything is sized by T (never by routing results): no host syncs, so the whole layer captures in a CUDA graph.
+Programs whose rows are all past `num_tokens_post_padded` exit at once.
+
+The down kernel reads the same aligned layout as the gate-up kernel, so both share BLOCK_M (moe_configs.py).
+`silu_mul_quant` and `gather_combine` serve the DeepGEMM backend (deep_gemm_moe.py).
+
+Imports triton: imported lazily by the backends, never by pdserve.kernels (see triton_support.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import FP8_DTYPE, FP8_MAX
+from .moe_align import AlignedTokens, align_tokens_layout
+from .moe_configs import get_config
+from .triton_fp8 import GROUP, per_token_group_quant
+from .triton_support import interpreter_requested, patch_interpreter_for_numpy2
+
+if interpreter_requested():
+    patch_interpreter_for_numpy2()
+
+
+# NOTE: token-dependent integers are not specialised, so a new batch size does not recompile (CUDA-graph
+# capture of many sizes, the tuner sweeping T).
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
+                      sorted_ptr, expert_ids_ptr, ntpp_ptr,
+                      num_pairs, N, K, num_blocks_m,
+                      stride_am, stride_asm, stride_asg,
+                      stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+                      stride_om, stride_osm, stride_osg,
+                      A_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
+                      QUANT_OUT: tl.constexpr, IEEE: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """out[pair, n] = f(A[pair // A_DIV] @ W[e]^T) for the BLOCK_M rows of one expert block.
+
+    A (rows, K) (fp8 + (rows, K/128) scales, or bf16/fp32); W (E, N or 2N, K) (fp8 + (E, ./128, K/128) scales).
+    GLU: W holds [gate; up] (2N rows) and f = SiLU(gate) * up. MUL_WEIGHT: f times the pair's routing weight.
+    QUANT_OUT: the result is written as fp8 with one fp32 scale per 128 columns (os_ptr)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    offs_tok = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    tok_ok = offs_tok < num_pairs
+    a_rows = (offs_tok // A_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    wg_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GLU:
+        wu_ptrs = wg_ptrs + N * stride_wn
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:
+        as_ptrs = as_ptr + a_rows * stride_asm
+        wsg_ptrs = ws_ptr + e * stride_wse + (offs_n // GROUP_N) * stride_wsn
+        if GLU:
+            wsu_ptrs = ws_ptr + e * stride_wse + ((offs_n + N) // GROUP_N) * stride_wsn
+
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            a_mask = tok_ok[:, None]
+            w_mask = n_ok[None, :]
+        else:
+            k_ok = offs_k < K - k0
+            a_mask = tok_ok[:, None] & k_ok[None, :]
+            w_mask = k_ok[:, None] & n_ok[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
+        if GLU:
+            wu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
+        if FP8:
+            g = k0 // GROUP_K
+            a_s = tl.load(as_ptrs + g * stride_asg, mask=tok_ok, other=0.0)
+            acc_g += tl.dot(a, wg) * a_s[:, None] * tl.load(wsg_ptrs + g * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            if GLU:
+                acc_u += (tl.dot(a, wu) * a_s[:, None]
+                          * tl.load(wsu_ptrs + g * stride_wsk, mask=n_ok, other=0.0)[None, :])
+        elif IEEE:
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+            if GLU:
+                acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+            if GLU:
+                acc_u = tl.dot(a, wu, acc_u)
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        if GLU:
+            wu_ptrs += BLOCK_K
+
+    if GLU:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u  # SiLU(gate) * up, in fp32
+    else:
+        h = acc_g
+    if MUL_WEIGHT:
+        h = h * tl.load(topk_w_ptr + offs_tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
+
+    out_rows = offs_tok.to(tl.int64) * stride_om
+    if QUANT_OUT:
+        # 1x128 quantization of the activation, as per_token_group_quant would do it (BLOCK_N % 128 == 0).
+        if BLOCK_N == GROUP_N:  # one group per tile (the default): a plain row reduction
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12), FP8_MAX_C)  # (BLOCK_M,)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            tl.store(os_ptr + offs_tok.to(tl.int64) * stride_osm + pid_n * stride_osg, scale, mask=tok_ok)
+        else:
+            G: tl.constexpr = BLOCK_N // GROUP_N
+            hg = tl.reshape(h, (BLOCK_M, G, GROUP_N))
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12), FP8_MAX_C)  # (BLOCK_M, G)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(hg, scale[:, :, None]), -FP8_MAX_C), FP8_MAX_C)
+            q = tl.reshape(q, (BLOCK_M, BLOCK_N))
+            offs_g = pid_n * G + tl.arange(0, G)
+            tl.store(os_ptr + offs_tok.to(tl.int64)[:, None] * stride_osm + offs_g[None, :] * stride_osg, scale,
+                     mask=tok_ok[:, None] & (offs_g[None, :] * GROUP_N < N))
+        tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], q.to(out_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], h.to(out_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["R"])
+def _silu_mul_quant_kernel(h_ptr, q_ptr, s_ptr, R, I, stride_hm, stride_qm, stride_sm, stride_sg,
+                           GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    cols = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    ok = (rows[:, None] < R) & (cols[None, :] < I)
+    base = h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
+    gate = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(base + I, mask=ok, other=0.0).to(tl.float32)
+    h = gate * tl.sigmoid(gate) * up
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12), FP8_MAX_C)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g * stride_sg, scale, mask=rows < R)
+
+
+def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, 2I) [gate | up] -> SiLU(gate) * up quantized per row per 128 columns: fp8 (R, I), fp32 (R, I/128)."""
+    rows, two_inter = gate_up.shape
+    inter = two_inter // 2
+    assert gate_up.stride(1) == 1
+    q = torch.empty(rows, inter, dtype=FP8_DTYPE, device=gate_up.device)
+    s = torch.empty(rows, triton.cdiv(inter, GROUP), dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block_m = 16
+        _silu_mul_quant_kernel[(triton.cdiv(rows, block_m), s.shape[1])](
+            gate_up, q, s, rows, inter, gate_up.stride(0), q.stride(0), s.stride(0), s.stride(1),
+            GROUP_SIZE=GROUP, BLOCK_M=block_m, FP8_MAX_C=FP8_MAX, num_warps=4)
+    return q, s
+
+
+def invoke_fused_moe_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor,
+                          w_scale: Optional[torch.Tensor], out: torch.Tensor, out_scale: Optional[torch.Tensor],
+                          topk_weights: Optional[torch.Tensor], aligned: AlignedTokens, a_div: int, glu: bool,
+                          block_m: int, cfg: dict) -> None:
+    """One grouped GEMM over the aligned layout (see `_fused_moe_kernel`); writes `out` (P, N) per pair."""
+    n = w.shape[1] // 2 if glu else w.shape[1]
+    k = w.shape[2]
+    fp8 = w.dtype == FP8_DTYPE
+    quant_out = out.dtype == FP8_DTYPE
+    assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
+    if fp8:
+        assert GROUP % cfg["BLOCK_K"] == 0, "a K tile must stay inside one scale group"
+    if quant_out:
+        assert cfg["BLOCK_N"] % GROUP == 0 and n % GROUP == 0, "fused activation quantization needs 128-col tiles"
+    num_blocks_m = aligned.expert_ids.numel()
+    dummy = out  # stands in for absent optional pointers (never read: the constexpr flags are off)
+    grid = (num_blocks_m * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _fused_moe_kernel[grid](
+        a, a_scale if fp8 else dummy, w, w_scale if fp8 else dummy, out, out_scale if quant_out else dummy,
+        topk_weights if topk_weights is not None else dummy,
+        aligned.sorted_token_ids, aligned.expert_ids, aligned.num_tokens_post_padded,
+        aligned.num_pairs, n, k, num_blocks_m,
+        a.stride(0), a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+        w.stride(0), w.stride(1), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
+        w_scale.stride(2) if fp8 else 0,
+        out.stride(0), out_scale.stride(0) if quant_out else 0, out_scale.stride(1) if quant_out else 0,
+        A_DIV=a_div, GLU=glu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, QUANT_OUT=quant_out,
+        IEEE=a.dtype == torch.float32, FP8_MAX_C=FP8_MAX, GROUP_N=GROUP, GROUP_K=GROUP,
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
+                  config: Optional[dict] = None, device: Optional[str] = None) -> torch.Tensor:
+    """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x) as (T, H) in x's dtype (MoEBackend.experts)."""
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    fp8 = w13.dtype == FP8_DTYPE
+    if tokens == 0:
+        return torch.zeros_like(x)
+    if not fp8:
+        assert w13.dtype == w2.dtype == x.dtype, "bf16/fp16/fp32 expert weights must match the activation dtype"
+    cfg = config or get_config(tokens, num_experts, inter, hidden, top_k, w13.dtype, device)
+    block_m = cfg["BLOCK_M"]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    aligned = align_tokens_layout(topk_ids, num_experts, block_m)
+    pairs = aligned.num_pairs
+    fuse_quant = fp8 and cfg["gate_up"]["BLOCK_N"] % GROUP == 0 and inter % GROUP == 0
+
+    if fp8:
+        a, a_scale = per_token_group_quant(x)  # (T, H) fp8, (T, H/128)
+    else:
+        a, a_scale = x, None
+    act_dtype = FP8_DTYPE if fuse_quant else x.dtype
+    act = torch.empty(pairs, inter, dtype=act_dtype, device=x.device)
+    act_scale = (torch.empty(pairs, triton.cdiv(inter, GROUP), dtype=torch.float32, device=x.device)
+                 if fuse_quant else None)
+    invoke_fused_moe_gemm(a, a_scale, w13, w13_scale, act, act_scale, None, aligned, top_k, True, block_m,
+                          cfg["gate_up"])
+    if fp8 and not fuse_quant:
+        act, act_scale = per_token_group_quant(act)
+
+    per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    invoke_fused_moe_gemm(act, act_scale, w2, w2_scale, per_pair, None, topk_weights.reshape(-1).contiguous(),
+                          aligned, 1, False, block_m, cfg["down"])
+    return per_pair.view(tokens, top_k, hidden).sum(dim=1)
+
+
+@triton.jit
+def _gather_combine_kernel(d_ptr, rows_ptr, w_ptr, out_ptr, H, stride_d, stride_o, TOP_K: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(rows_ptr + t * TOP_K + j)
+        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        acc += w * tl.load(d_ptr + row * stride_d + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gather_combine(d: torch.Tensor, row_of_pair: torch.Tensor, topk_weights: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = sum_j topk_weights[t, j] * d[row_of_pair[t * top_k + j]]  -> (T, H)."""
+    tokens, top_k = topk_weights.shape
+    hidden = d.shape[1]
+    out = torch.empty(tokens, hidden, dtype=out_dtype, device=d.device)
+    if tokens:
+        block_h = 1024
+        _gather_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+            d, row_of_pair, topk_weights.contiguous(), out, hidden, d.stride(0), out.stride(0), TOP_K=top_k,
+            BLOCK_H=block_h, num_warps=4)
+    return out

@@ -1,0 +1,443 @@
+"""OpenAI-compatible HTTP front door of the router: `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions`, with SSE streaming and `usage`.
+
+It runs on the router's asyncio loop, in the router's process (aiohttp), and every request goes through
+`Router.generate`, the same path as gRPC's Generate, so both fronts route, check, count and cancel alike. It shares
+the gRPC front's security (`--api-key` as `Authorization: Bearer`, the TLS certificate) and its drain (on SIGTERM new
+requests get 503, those in flight finish). Errors have OpenAI's body `{"error": {"message", "type", "param",
+"code"}}`: bad requests are 400, no KV room 429, no workers 503. A client that disconnects cancels its generation on
+both workers.
+
+Extensions beyond OpenAI's fields (as vLLM names them): `top_k`, `ignore_eos`, `stop_token_ids`, and
+`return_token_ids`, which adds the generated ids to each choice (`token_ids`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import ssl
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import grpc
+import jinja2
+from aiohttp import web
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pdserve.auth import SecurityConfig, token_accepted
+from pdserve.grpc_shell import Drain, ServiceError
+from pdserve.sampling import SamplingParams
+from pdserve.v1 import generate_pb2 as gen_pb
+
+from .server import Router
+
+log = logging.getLogger(__name__)
+
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+               grpc.StatusCode.UNAVAILABLE: 503}
+ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+              405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+# The router names the offending field first ("prompt: the prompt is empty"); in OpenAI's words:
+ROUTER_FIELDS = {"prompt": "prompt", "messages": "messages", "sampling_params.max_new_tokens": "max_tokens",
+                 "sampling_params.stop_token_ids": "stop_token_ids", "sampling_params.stop": "stop"}
+# Request fields pdserve cannot honour, with the values that mean "not used": anything else is a 400, not ignored.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "frequency_penalty": (None, 0),
+               "presence_penalty": (None, 0)}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# X-Accel-Buffering: a buffering reverse proxy (nginx) would otherwise hold tokens back until the end.
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class OpenAIHttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = a free one
+    model_dir: Optional[str] = None  # where tokenizer_config.json (its chat_template) is read
+    security: SecurityConfig = SecurityConfig()  # the router's: API keys and TLS certificate apply here too
+    shutdown_timeout_s: float = 1.0  # after the router's drain, which already waited for requests in flight
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def response(self) -> web.Response:
+        error_type = ERROR_TYPE.get(self.status, "server_error")
+        return web.json_response({"error": {"message": str(self), "type": error_type, "param": self.param,
+                                            "code": self.code}}, status=self.status)
+
+
+def bad(message: str, param: Optional[str] = None) -> OpenAIError:
+    return OpenAIError(400, message, param)
+
+
+def from_service_error(e: ServiceError) -> OpenAIError:
+    field = re.match(r"([\w.]+):", str(e))
+    param = ROUTER_FIELDS.get(field.group(1)) if field else None
+    return OpenAIError(HTTP_STATUS.get(e.code, 500), str(e), param, e.code.name.lower())
+
+
+class ChatTemplate:
+    """The model's `chat_template` from tokenizer_config.json, rendered as transformers does (sandboxed Jinja,
+    trim_blocks and lstrip_blocks, `raise_exception`)."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = self._raise
+        self._template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @staticmethod
+    def _raise(message: str):
+        raise jinja2.TemplateError(message)
+
+    @classmethod
+    def from_model_dir(cls, path: Optional[str]) -> Optional["ChatTemplate"]:
+        """None when the directory has no tokenizer_config.json or it has no chat_template."""
+        config_file = os.path.join(path, "tokenizer_config.json") if path else ""
+        if not os.path.isfile(config_file):
+            return None
+        with open(config_file, encoding="utf-8") as f:
+            cfg = json.load(f)
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not source:
+            return None
+
+        def token(value: Any) -> str:
+            return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+        return cls(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
+
+    def render(self, messages: list[dict]) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                         eos_token=self.eos_token)
+        except jinja2.TemplateError as e:
+            raise bad(f"messages: the chat template refused them: {e}", "messages") from None
+
+
+# ---- reading a request ----------------------------------------------------------------------------------------
+def _typed(body: dict, name: str, kinds: tuple, what: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise bad(f"{name} must be {what}, got {json.dumps(value)}", name)
+    return value
+
+
+def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+    for name, unused in UNSUPPORTED.items():
+        if body.get(name) not in unused:
+            raise bad(f"{name} is not supported by pdserve", name)
+    if _typed(body, "n", (int,), "an integer", 1) != 1:
+        raise bad("n: only n=1 is supported; send one request per completion", "n")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _typed(body, name, (int,), "an integer", default_max_tokens)
+    stop = _typed(body, "stop", (str, list), "a string or a list of strings", ())
+    stop_token_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids", [])
+    if any(not isinstance(t, int) or isinstance(t, bool) for t in stop_token_ids):
+        raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=float(_typed(body, "temperature", (int, float), "a number", 1.0)),
+            top_p=float(_typed(body, "top_p", (int, float), "a number", 1.0)),
+            top_k=_typed(body, "top_k", (int,), "an integer", 0),
+            seed=_typed(body, "seed", (int,), "an integer"),
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=_typed(body, "ignore_eos", (bool,), "a boolean", False))
+    except (ValueError, TypeError) as e:  # SamplingParams names its own field first
+        field = str(e).split(" ", 1)[0]
+        param = name if field == "max_new_tokens" else field
+        raise bad(str(e).replace("max_new_tokens", name), param) from None
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def stream_options(body: dict) -> StreamOptions:
+    stream = _typed(body, "stream", (bool,), "a boolean", False)
+    options = _typed(body, "stream_options", (dict,), "an object", {})
+    if options and not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    return StreamOptions(stream, bool(options.get("include_usage", False)),
+                         _typed(body, "return_token_ids", (bool,), "a boolean", False))
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p.get("text", "") for p in content)
+        if content is not None and not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({**m, "content": content or ""})
+    return out
+
+
+def prompt_ids(check, prompt, field: str) -> list[int]:
+    """Router.encode_text / check_ids, their INVALID_ARGUMENT as a 400 (counted as a rejected request)."""
+    try:
+        return check(prompt, field)
+    except ServiceError as e:
+        raise from_service_error(e) from None
+
+
+# ---- the server -----------------------------------------------------------------------------------------------
+class OpenAIFrontend:
+    def __init__(self, router: Router, config: OpenAIHttpConfig, chat_template: Optional[ChatTemplate],
+                 drain: Optional[Drain] = None):
+        self.router, self.config, self.chat_template = router, config, chat_template
+        self.drain = drain or Drain()  # the gRPC server's: one drain for both fronts
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._guard],
+                              client_max_size=self.router.config.max_request_bytes)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except OpenAIError as e:
+            if e.status == 400:  # counted as the gRPC front counts its rejected requests
+                self.router.metrics.count(self.router.metrics.requests, outcome="rejected")
+            return e.response()
+        except ServiceError as e:
+            return from_service_error(e).response()
+        except web.HTTPException as e:  # unknown path, wrong method, body too large: same error shape
+            if e.status < 400:
+                raise
+            return OpenAIError(e.status, e.reason, code=None).response()
+        except ConnectionError:  # the client is gone: nobody to answer
+            raise
+        except Exception as e:  # a bug: still OpenAI's shape, and the traceback in the log
+            log.exception("%s %s failed", request.method, request.path)
+            return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal").response()
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """API keys as the gRPC front checks them; refused while draining; counted in the drain while running."""
+        keys = self.config.security.api_keys
+        if keys:
+            auth = request.headers.get("Authorization", "")
+            presented = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+            if not token_accepted(presented, keys):
+                raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
+                                       "the router's --api-key values", code="invalid_api_key")
+        if request.method != "POST":
+            return await handler(request)
+        if self.drain.draining:
+            raise OpenAIError(503, "this router is draining (shutting down): retry on another one",
+                              code="unavailable")
+        self.drain.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.drain.in_flight -= 1
+
+    def _model_name(self) -> str:
+        return self.router.model_info().model_name
+
+    async def models(self, request: web.Request) -> web.Response:
+        info = self.router.model_info()
+        return web.json_response({"object": "list", "data": [{
+            "id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+            "max_model_len": info.max_context_length}]})
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad(f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise bad("the body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad("model is required: the id from GET /v1/models", "model")
+        if model != self._model_name():
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                                   f"`{self._model_name()}`", "model", "model_not_found")
+        return body
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = prompt_ids(self.router.encode_text, prompt, "prompt")
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = prompt_ids(self.router.check_ids, prompt, "prompt")
+        else:
+            raise bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        params = sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await self._respond(request, "text_completion", "cmpl", ids, params, stream_options(body))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = chat_messages(body)
+        if self.chat_template is None:
+            raise bad("this model has no chat_template in its tokenizer_config.json; use /v1/completions",
+                      "messages")
+        ids = prompt_ids(self.router.encode_text, self.chat_template.render(messages), "messages")
+        # OpenAI's default: as many tokens as the context (and this router's --max-new-tokens-limit) allows.
+        room = max(1, self.router.model_info().max_context_length - len(ids))
+        params = sampling_params(body, min(room, self.router.config.max_new_tokens_limit or room))
+        return await self._respond(request, "chat.completion", "chatcmpl", ids, params, stream_options(body))
+
+    async def _respond(self, request, kind: str, id_prefix: str, ids: list[int], params: SamplingParams,
+                       opts: StreamOptions) -> web.StreamResponse:
+        rid = uuid.uuid4().hex
+        reply = Reply(kind, f"{id_prefix}-{rid}", self._model_name(), opts.return_token_ids)
+        # aclosing: whatever ends this handler (client gone, an error) closes the generation, which drops the
+        # request on both workers and frees its pages.
+        async with contextlib.aclosing(self.router.generate(ids, params, rid)) as stream:
+            if not opts.stream:
+                async for msg in stream:
+                    if msg.HasField("complete"):
+                        return web.json_response(reply.whole(msg.complete))
+                raise ServiceError(grpc.StatusCode.INTERNAL, "the generation ended without completing")
+            # The first message is awaited before the headers go out, so failing to start (no workers, no KV
+            # room) still gets its own HTTP status instead of an error inside a 200 stream.
+            msg = await anext(stream)
+            resp = web.StreamResponse(headers=SSE_HEADERS)
+            await resp.prepare(request)
+            if kind == "chat.completion":
+                await send(resp, reply.chunk(delta={"role": "assistant", "content": ""}))
+            try:
+                while True:
+                    if msg.HasField("chunk") and (msg.chunk.text or opts.return_token_ids):
+                        await send(resp, reply.chunk(text=msg.chunk.text, token_ids=list(msg.chunk.token_ids)))
+                    if msg.HasField("complete"):
+                        await send(resp, reply.chunk(finish=msg.complete.finish_reason))
+                        if opts.include_usage:
+                            await send(resp, reply.usage_chunk(msg.complete.usage))
+                        break
+                    msg = await anext(stream)
+            except ServiceError as e:  # the status is already sent: the error goes in the stream, as OpenAI's
+                err = from_service_error(e)
+                await send(resp, {"error": {"message": str(err), "type": ERROR_TYPE.get(err.status, "server_error"),
+                                            "param": err.param, "code": err.code}})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+
+async def send(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Builds the response objects of one request in OpenAI's shapes (completion or chat, whole or chunks)."""
+
+    kind: str  # "text_completion" | "chat.completion"
+    id: str
+    model: str
+    with_token_ids: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def _envelope(self, choices: list, chunk: bool) -> dict:
+        kind = "chat.completion.chunk" if chunk and self.chat else self.kind
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self, c: gen_pb.GenerateComplete) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        if self.with_token_ids:
+            choice["token_ids"] = list(c.output_ids)
+        return {**self._envelope([choice], chunk=False), "usage": usage(c.usage)}
+
+    def chunk(self, text: str = "", token_ids: Optional[list[int]] = None, finish: Optional[int] = None,
+              delta: Optional[dict] = None) -> dict:
+        choice: dict = {"index": 0, "logprobs": None,
+                        "finish_reason": None if finish is None else finish_reason(finish)}
+        if self.chat:
+            choice["delta"] = delta if delta is not None else ({"content": text} if finish is None else {})
+        else:
+            choice["text"] = text
+        if self.with_token_ids and finish is None and delta is None:
+            choice["token_ids"] = token_ids or []
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, u: gen_pb.Usage) -> dict:
+        return {**self._envelope([], chunk=True), "usage": usage(u)}
+
+
+def finish_reason(value: int) -> str:
+    return "length" if value == gen_pb.FINISH_REASON_LENGTH else "stop"  # OpenAI has no other reason for us
+
+
+def usage(u: gen_pb.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _tls(security: SecurityConfig) -> Optional[ssl.SSLContext]:
+    if not security.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(security.tls_cert, security.tls_key)
+    return context
+
+
+async def start_openai_http(router: Router, config: OpenAIHttpConfig,
+                            drain: Optional[Drain] = None) -> tuple[web.AppRunner, int]:
+    """Serve the OpenAI API on the running loop; returns the runner (`await runner.cleanup()` stops it) and the
+    bound port. `drain`: the gRPC server's, so that SIGTERM drains both fronts together."""
+    frontend = OpenAIFrontend(router, config, ChatTemplate.from_model_dir(config.model_dir), drain)
+    # handler_cancellation: a client that disconnects cancels its handler, hence its generation.
+    runner = web.AppRunner(frontend.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        await runner.cleanup()
+        raise OSError(f"--http-port: cannot listen on {config.host}:{config.port}: {e}") from None
+    await web.SockSite(runner, sock, shutdown_timeout=config.shutdown_timeout_s,
+                       ssl_context=_tls(config.security)).start()
+    return runner, sock.getsockname()[1]
+
+
+__all__ = ["OpenAIHttpConfig", "ChatTemplate", "OpenAIFrontend", "start_openai_http"]

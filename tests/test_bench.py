@@ -1,0 +1,55 @@
+"""`pdserve bench` against a 1P1D CPU stack: exit 0, a table, and JSON whose numbers are consistent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stack import REPO, start_stack, wait_idle
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_v3_dir, tmp_path_factory):
+    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-bench"))
+    yield s
+    s.stop()
+
+
+def bench(stack, tmp_path, *args) -> tuple[dict, str, str]:
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--target", stack.router.address,
+                          "--json", str(out), *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(out.read_text()), run.stdout, run.stderr
+
+
+def test_bench_poisson_with_shared_prefixes(stack, tmp_path):
+    r, table, progress = bench(stack, tmp_path, "--num-prompts", "16", "--input-len", "32", "--output-len", "8",
+                               "--range-ratio", "0.5", "--shared-prefix-groups", "2", "--shared-prefix-len", "8",
+                               "--request-rate", "20")
+    assert r["completed"] == 16 and r["failed"] == 0 and r["errors_by_status"] == {} and r["no_final_status"] == 0
+    assert 16 * 4 <= r["total_output_tokens"] <= 16 * 8  # output lengths drawn from [8 * 0.5, 8]
+    assert 16 * (8 + 16) <= r["total_input_tokens"] <= 16 * (8 + 32)
+    assert 0 < r["ttft"]["mean_ms"] <= r["e2e"]["mean_ms"] and r["ttft"]["median_ms"] <= r["ttft"]["p99_ms"]
+    assert r["itl"]["mean_ms"] > 0 and r["tpot"]["mean_ms"] > 0
+    assert r["request_throughput"] > 0 and r["output_token_throughput"] > 0 and r["duration_s"] > 0.5  # ~16/20 s
+    assert "Request throughput" in table and "TTFT p99 (ms)" in table
+    assert "16/16 done" in progress
+    for proc in stack.prefill + stack.decode:
+        assert wait_idle(proc).num_free_pages == wait_idle(proc).num_total_pages
+
+
+def test_bench_all_at_once_with_a_concurrency_cap_reports_errors_by_status(stack, tmp_path):
+    r, _, _ = bench(stack, tmp_path, "--num-prompts", "6", "--input-len", "16", "--output-len", "4",
+                    "--max-concurrency", "2", "--no-progress")
+    assert r["completed"] == 6 and r["max_concurrency"] == 2
+    # Prompts too long for the model's context (2048) are refused; the report counts them by status.
+    r, table, _ = bench(stack, tmp_path, "--num-prompts", "3", "--input-len", "3000", "--output-len", "4",
+                        "--no-progress")
+    assert r["completed"] == 0 and r["errors_by_status"] == {"INVALID_ARGUMENT": 3}
+    assert "context" in r["error_examples"]["INVALID_ARGUMENT"] and "Errors INVALID_ARGUMENT" in table

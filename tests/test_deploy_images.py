@@ -1,0 +1,171 @@
+"""The container images, checked without a Docker engine: both Dockerfiles parse (dockerfile-parse), run as a
+non-root user, health-check through `pdserve healthcheck`, copy what pyproject installs, pin what pyproject pins;
+the entrypoint script runs for real against a stand-in `pdserve`."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dockerfile_parse import DockerfileParser
+
+from pdserve.cli import build_parser
+from pdserve.env import known_variables
+
+from stack import REPO
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+DOCKER = REPO / "deploy" / "docker"
+KINDS = ("cpu", "cuda")
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def dockerfile(kind: str) -> DockerfileParser:
+    # An in-memory file: the parser re-reads its file object on every property.
+    return DockerfileParser(fileobj=io.BytesIO((DOCKER / f"Dockerfile.{kind}").read_bytes()))
+
+
+def instructions(kind: str, name: str) -> list[str]:
+    return [i["value"] for i in dockerfile(kind).structure if i["instruction"] == name]
+
+
+def image_tag(kind: str) -> str:
+    """The tag compose and Kubernetes must use for this Dockerfile's image."""
+    return f"pdserve:{pyproject()['project']['version']}-{kind}"
+
+
+def exposed_ports(kind: str) -> set[int]:
+    return {int(p.split("/")[0]) for value in instructions(kind, "EXPOSE") for p in value.split()}
+
+
+def user_id(kind: str) -> int:
+    return int(instructions(kind, "USER")[-1].split(":")[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_runs_as_a_non_root_user_created_in_the_image(kind):
+    users = instructions(kind, "USER")
+    assert users, "no USER: the container would run as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"USER {users[-1]} must be a numeric non-root uid (Kubernetes' " \
+                                            "runAsNonRoot cannot check a name)"
+    assert any(f"--uid {uid}" in run for run in instructions(kind, "RUN")), "the user is not created"
+    structure = [i["instruction"] for i in dockerfile(kind).structure]
+    assert "RUN" not in structure[structure.index("USER"):], "RUN after USER: installs would run as the user"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_health_check_entrypoint_and_role_by_command(kind):
+    health = instructions(kind, "HEALTHCHECK")
+    assert len(health) == 1 and health[0].endswith('CMD ["pdserve", "healthcheck"]')
+    assert "--start-period=" in health[0]  # model loading is not a failure
+    assert json.loads(instructions(kind, "ENTRYPOINT")[0]) == ["pdserve-entrypoint"]
+    assert json.loads(instructions(kind, "CMD")[0]) == ["router"]
+    # The HEALTHCHECK has no --target: `pdserve healthcheck` checks 127.0.0.1:$PDSERVE_PORT, set for every role.
+    envs = dockerfile(kind).envs
+    assert envs["PDSERVE_HOST"] == "0.0.0.0" and envs["PDSERVE_PORT"].isdigit()
+    pdserve_vars = {k for k in envs if k.startswith("PDSERVE_")}
+    assert pdserve_vars <= known_variables(build_parser()), pdserve_vars - known_variables(build_parser())
+
+
+def test_bases_are_official_and_torch_versions_agree():
+    cpu, cuda = dockerfile("cpu").baseimage, dockerfile("cuda").baseimage
+    assert re.fullmatch(r"python:3\.1[0-9]-slim", cpu), cpu
+    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", cuda)
+    assert match, f"{cuda}: expected an official pytorch/pytorch ...-runtime image"
+    cpu_torch = [a.split("=", 1)[1] for a in instructions("cpu", "ARG") if a.startswith("TORCH_VERSION=")]
+    assert cpu_torch == [match.group(1)], "both images must run the same torch"
+    runs = instructions("cpu", "RUN")
+    assert any("download.pytorch.org/whl/cpu" in r and "torch==${TORCH_VERSION}" in r for r in runs)
+
+
+def test_cuda_image_installs_flashinfer_at_the_pinned_version():
+    pin = next(r for r in pyproject()["project"]["optional-dependencies"]["gpu"] if r.startswith("flashinfer-python"))
+    assert pin == "flashinfer-python==0.5.3"
+    runs = " ".join(instructions("cuda", "RUN"))
+    assert f'"{pin}"' in runs and '"flashinfer-cubin==0.5.3"' in runs  # no nvcc in a runtime image: prebuilt cubins
+    assert "flashinfer" not in " ".join(instructions("cpu", "RUN"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copies_every_installed_package_and_the_ignore_file_lets_them_in(kind):
+    sources = []
+    for value in instructions(kind, "COPY"):
+        parts = [p for p in value.split() if not p.startswith("--")]
+        sources += parts[:-1]
+    for src in sources:
+        assert (REPO / src).exists(), f"COPY {src}: not in the repository"
+    package_dirs = set(pyproject()["tool"]["setuptools"]["package-dir"].values())
+    assert package_dirs <= set(sources), f"not copied: {package_dirs - set(sources)}"
+    assert {"pyproject.toml", "README.md", "deploy/docker/entrypoint.sh"} <= set(sources)
+    ignore = (DOCKER / f"Dockerfile.{kind}.dockerignore").read_text().splitlines()
+    let_in = {line[1:].removesuffix("/**") for line in ignore if line.startswith("!")}
+    assert set(sources) <= let_in, f"excluded from the build context: {set(sources) - let_in}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_version_label_matches_pyproject(kind):
+    assert dockerfile(kind).labels["org.opencontainers.image.version"] == pyproject()["project"]["version"]
+    assert f"-t {image_tag(kind)} " in dockerfile(kind).content  # the build command in its header
+
+
+# ---- the entrypoint, run for real ------------------------------------------------------------------------------
+@pytest.fixture
+def run_entrypoint(tmp_path):
+    """Runs deploy/docker/entrypoint.sh with a stand-in `pdserve` that prints its arguments and PDSERVE_* env."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "pdserve"
+    stub.write_text("#!/bin/sh\necho \"args=$*\"\nenv | grep '^PDSERVE_' | sort\n")
+    stub.chmod(0o755)
+    python_dir = Path(sys.executable).parent
+
+    def run(*args, **env) -> dict:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        out = subprocess.run(["sh", str(DOCKER / "entrypoint.sh"), *args], capture_output=True, text=True,
+                             env={**base, **env, "PATH": f"{bin_dir}:{python_dir}:/usr/bin:/bin"}, timeout=30)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        return dict(line.split("=", 1) for line in lines if "=" in line)
+
+    return run
+
+
+def test_entrypoint_syntax():
+    sh = shutil.which("sh")
+    assert subprocess.run([sh, "-n", str(DOCKER / "entrypoint.sh")]).returncode == 0
+    assert os.access(DOCKER / "entrypoint.sh", os.X_OK)
+
+
+def test_entrypoint_advertises_the_container_ip_unless_told(run_entrypoint):
+    got = run_entrypoint("decode", "--num-pages", "64")
+    assert got["args"] == "decode --num-pages 64"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", got["PDSERVE_ADVERTISE_HOST"]) and \
+        got["PDSERVE_ADVERTISE_HOST"] != "0.0.0.0"
+    assert got["PDSERVE_KV_HOST"] == got["PDSERVE_ADVERTISE_HOST"]  # the KV endpoint peers dial
+    got = run_entrypoint("prefill", PDSERVE_ADVERTISE_HOST="10.1.2.3")  # Kubernetes: the pod IP
+    assert (got["PDSERVE_ADVERTISE_HOST"], got["PDSERVE_KV_HOST"]) == ("10.1.2.3", "10.1.2.3")
+    got = run_entrypoint("decode", PDSERVE_ADVERTISE_HOST="10.1.2.3", PDSERVE_KV_HOST="10.9.9.9")
+    assert got["PDSERVE_KV_HOST"] == "10.9.9.9"
+
+
+def test_entrypoint_makes_only_the_bundled_tiny_model(run_entrypoint):
+    if Path("/models/tiny-deepseek-v3/config.json").exists():
+        pytest.skip("this machine has /models/tiny-deepseek-v3")
+    assert run_entrypoint("init-model")["args"] == "make-tiny-model /models/tiny-deepseek-v3"
+    assert run_entrypoint("init-model", PDSERVE_MODEL="/models/tiny-deepseek-v3")["args"].startswith("make-tiny")
+    assert "args" not in run_entrypoint("init-model", PDSERVE_MODEL="/models/DeepSeek-V3")  # never a real one

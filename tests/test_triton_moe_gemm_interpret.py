@@ -1,0 +1,369 @@
+"""The Triton FP8 GEMM / MoE kernels against their torch references on the CPU, through Triton's interpreter.
+
+Tiny shapes (the interpreter runs every program in numpy); the same comparisons at DeepSeek-V3 shapes are in
+test_gpu_moe_gemm.py. The DeepGEMM backend runs here with `TorchDeepGemmOps` (the DeepGEMM contract in torch),
+which tests the layouts it builds with the same align helper the Triton kernels consume.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# NOTE: Triton picks compiled vs interpreted when it is first imported (its own tl.max / tl.sum included), so
+# TRITON_INTERPRET=1 is set here, at collection, before anything imports triton (pdserve.kernels does not). With
+# CUDA present this module skips without setting it, so GPU tests in the same run stay compiled; if triton was
+# already imported compiled, the module reruns itself in a fresh process.
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/test_gpu_moe_gemm.py runs these kernels compiled", allow_module_level=True)
+_TRITON_ALREADY_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from pdserve.kernels import (deep_gemm_moe, moe_align, triton_fp8, triton_gemm, triton_moe,  # noqa: E402
+                             triton_moe_kernels)
+from pdserve.kernels.gemm import FP8_DTYPE, block_dequant, block_quant, per_token_group_quant  # noqa: E402
+from pdserve.kernels.moe import RoutingConfig, TorchMoE, select_experts  # noqa: E402
+from moe_checks import check_aligned_layout, moe_reference, rel_err  # noqa: E402
+from triton_interpreter import exact_interpreter  # noqa: E402
+
+if _TRITON_ALREADY_COMPILED:
+    def test_interpreted_in_a_fresh_process():
+        """Something imported triton compiled before this module: run this module alone, interpreted."""
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_only(request):
+    if _TRITON_ALREADY_COMPILED and request.node.name != "test_interpreted_in_a_fresh_process":
+        pytest.skip("triton was imported compiled before this module; test_interpreted_in_a_fresh_process reruns it")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _exact_arithmetic():
+    with exact_interpreter():
+        yield
+
+
+def test_backends_registered():
+    from pdserve.kernels import GEMM_BACKENDS, MOE_BACKENDS
+
+    assert "triton" in GEMM_BACKENDS and "triton" in MOE_BACKENDS
+    assert ("scaled_mm" in GEMM_BACKENDS) == triton_gemm.scaled_mm_blockwise_available()
+    assert ("deep_gemm" in MOE_BACKENDS) == (deep_gemm_moe.DEEP_GEMM_UNUSABLE is None)
+
+
+# ---- per-token-group quantization and the dense block-FP8 GEMM ------------------------------------------------
+
+@pytest.mark.parametrize("m,k", [(1, 128), (7, 384), (33, 640), (5, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_token_group_quant_matches_reference_bit_for_bit(m, k, dtype):
+    gen = torch.Generator().manual_seed(m * k)
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    x[0, :130] = 0  # an all-zero group
+    x[-1, -3:] = 1e-4  # tiny values: fp8 subnormals after scaling
+    q, s = triton_fp8.per_token_group_quant(x)
+    ref_q, ref_s = per_token_group_quant(x)
+    assert torch.equal(s, ref_s)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+    # cuBLAS layout: M-major scales, rows padded to a multiple of 4 with zeros.
+    q4, s4 = triton_fp8.per_token_group_quant(x, column_major_scales=True, pad_rows_to=4)
+    m4 = -(-m // 4) * 4
+    assert q4.shape == (m4, k) and s4.shape == (m4, ref_s.shape[1]) and s4.stride() == (1, m4)
+    assert torch.equal(q4[:m].view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s4[:m], ref_s)
+    assert not q4[m:].float().any()
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("k", [128, 384, 640, 200])  # K/128 = 1, 3, 5 (not a multiple of 4), and a ragged K
+@pytest.mark.parametrize("n", [96, 200, 256])
+def test_block_fp8_matmul_matches_dequantized_reference(m, k, n):
+    gen = torch.Generator().manual_seed(m + 7 * k + 13 * n)
+    wq, ws = block_quant(torch.randn(n, k, generator=gen) * 0.05)
+    xq, xs = per_token_group_quant(torch.randn(m, k, generator=gen))
+    # Reference from the SAME quantized activations: only fp32 accumulation order differs.
+    ref = block_dequant(xq, xs, (1, 128), torch.float64) @ block_dequant(wq, ws, (128, 128), torch.float64).T
+    out = triton_fp8.block_fp8_matmul(xq, xs, wq, ws, torch.float32)
+    assert rel_err(out, ref) < 1e-5
+    out_bf16 = triton_fp8.block_fp8_matmul(xq, xs, wq, ws, torch.bfloat16)
+    assert out_bf16.dtype == torch.bfloat16 and rel_err(out_bf16, ref) < 8e-3
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3, 4])  # 5 K tiles: uneven splits, and a split with no tile at 4
+def test_block_fp8_matmul_split_k(split_k):
+    gen = torch.Generator().manual_seed(split_k)
+    wq, ws = block_quant(torch.randn(200, 640, generator=gen))
+    xq, xs = per_token_group_quant(torch.randn(3, 640, generator=gen))
+    ref = block_dequant(xq, xs, (1, 128), torch.float64) @ block_dequant(wq, ws, (128, 128), torch.float64).T
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, SPLIT_K=split_k)
+    assert rel_err(triton_fp8.block_fp8_matmul(xq, xs, wq, ws, torch.float32, cfg), ref) < 1e-5
+
+
+def test_dense_config_splits_k_only_for_small_m():
+    assert triton_fp8.dense_config(1, 1536, 7168)["SPLIT_K"] > 1  # q_a_proj at decode: 24 tiles without it
+    assert triton_fp8.dense_config(4096, 7168, 16384)["SPLIT_K"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gemm_linear(dtype):
+    gemm = triton_gemm.TritonGemm()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 640, generator=gen) * 0.05
+    wq, ws = block_quant(w)
+    x = torch.randn(2, 3, 640, generator=gen).to(dtype)
+    y = gemm.linear(x, wq, ws, (128, 128))
+    assert y.shape == (2, 3, 200) and y.dtype == dtype
+    xq, xs = per_token_group_quant(x.reshape(6, 640))
+    ref = block_dequant(xq, xs, (1, 128), torch.float64) @ block_dequant(wq, ws, (128, 128), torch.float64).T
+    assert rel_err(y.reshape(6, 200), ref) < (1e-5 if dtype == torch.float32 else 8e-3)
+    # Plain weights go to torch unchanged.
+    wd = w.to(dtype)
+    assert torch.equal(gemm.linear(x, wd, None, None), F.linear(x, wd))
+
+
+def testscaled_mm_weight_scale_layout():
+    scale = torch.rand(3, 5)  # N/128 = 3, K/128 = 5: not a multiple of 4
+    sb = triton_gemm.scaled_mm_weight_scale(scale)
+    assert sb.shape == (5, 3) and sb.stride() == (1, 8) and torch.equal(sb, scale.t())
+    even = torch.rand(3, 8)
+    assert triton_gemm.scaled_mm_weight_scale(even).data_ptr() == even.data_ptr()
+
+
+# ---- routing -----------------------------------------------------------------------------------------------
+
+ROUTINGS = [
+    (RoutingConfig(8, "sigmoid", "noaux_tc", 8, 4, True, 2.5), 256),  # DeepSeek-V3
+    (RoutingConfig(2, "sigmoid", "noaux_tc", 4, 2, True, 1.5), 8),
+    (RoutingConfig(6, "softmax", "greedy", 1, 1, False, 1.0), 64),  # V2-Lite
+    (RoutingConfig(3, "softmax", "group_limited_greedy", 4, 2, True, 1.0), 40),  # 10 experts per group
+]
+
+
+@pytest.mark.parametrize("cfg,num_experts", ROUTINGS, ids=lambda v: getattr(v, "topk_method", str(v)))
+def test_fused_routing_matches_select_experts(cfg, num_experts):
+    gen = torch.Generator().manual_seed(num_experts)
+    logits = torch.randn(9, num_experts, generator=gen) * 2
+    bias = torch.randn(num_experts, generator=gen) * 0.1 if cfg.scoring_func == "sigmoid" else None
+    weights, ids = triton_moe.TritonMoE().select_experts(logits, bias, cfg)
+    ref_w, ref_ids = select_experts(logits, bias, cfg)
+    assert ids.dtype == ref_ids.dtype and weights.dtype == ref_w.dtype
+    ids_sorted, order = ids.sort(dim=1)
+    ref_sorted, ref_order = ref_ids.sort(dim=1)
+    assert torch.equal(ids_sorted, ref_sorted)
+    torch.testing.assert_close(weights.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+
+
+# ---- token alignment ---------------------------------------------------------------------------------------
+
+def _random_ids(tokens, top_k, num_experts, gen, skew=False):
+    if skew:  # every token on the same few experts: one long segment
+        return torch.arange(top_k).repeat(tokens, 1)
+    rows = [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]
+    return torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.long)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_m,skew", [
+    (1, 2, 8, 16, False), (5, 3, 8, 16, False), (17, 3, 8, 4, False), (17, 3, 8, 1, False),
+    (33, 8, 64, 16, False), (40, 2, 8, 16, True), (3, 8, 256, 128, False), (0, 2, 8, 16, False),
+])
+def test_align_tokens_layout(impl, tokens, top_k, num_experts, block_m, skew):
+    gen = torch.Generator().manual_seed(tokens * 31 + block_m)
+    ids = _random_ids(tokens, top_k, num_experts, gen, skew)
+    align = moe_align.align_tokens_layout if impl == "triton" else moe_align.align_tokens_torch
+    a = align(ids, num_experts, block_m)
+    check_aligned_layout(a, ids, num_experts, block_m, moe_align.max_aligned_rows(ids.numel(), num_experts, block_m))
+    if impl == "triton":  # the same plan as the reference; only the order inside a segment may differ
+        ref = moe_align.align_tokens_torch(ids, num_experts, block_m)
+        for name in ("expert_ids", "num_tokens_post_padded", "expert_offsets", "expert_counts"):
+            assert torch.equal(getattr(a, name), getattr(ref, name)), name
+        sorted_ids, expert_ids, used = moe_align.align_tokens(ids, num_experts, block_m)
+        assert torch.equal(expert_ids, ref.expert_ids) and torch.equal(used, ref.num_tokens_post_padded)
+    inv = moe_align.inverse_rows(a)
+    assert torch.equal(a.sorted_token_ids[inv].long(), torch.arange(tokens * top_k))
+
+
+# ---- fused MoE ---------------------------------------------------------------------------------------------
+
+def _experts(num_experts, hidden, inter, gen):
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    return w13, w2
+
+
+def fp8_moe_reference(x, topk_weights, topk_ids, w13q, s13, w2q, s2):
+    """The fused-MoE FP8 recipe in fp64: x and the SiLU-and-mul activation quantized per token per 128 channels
+    exactly as the kernels do, weights dequantized per 128x128 block."""
+    return moe_reference(x, topk_weights, topk_ids, w13q, w2q, s13, s2, quantize_activations=True)
+
+
+@pytest.mark.parametrize("tokens,top_k,dtype,hidden", [
+    (1, 2, torch.float32, 128), (5, 3, torch.float32, 128), (17, 3, torch.float32, 128), (17, 2, torch.float32, 200),
+    (5, 3, torch.bfloat16, 128), (17, 2, torch.bfloat16, 128),
+])
+def test_fused_moe_plain_weights_match_torch(tokens, top_k, dtype, hidden):
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
+    num_experts, inter = 8, 128
+    w13, w2 = (w.to(dtype) for w in _experts(num_experts, hidden, inter, gen))
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids = _random_ids(tokens, top_k, num_experts, gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    out = triton_moe.TritonMoE().experts(x, weights, ids, w13, w2, None, None, None)
+    ref = TorchMoE().experts(x.double(), weights.double(), ids, w13.double(), w2.double(), None, None, None)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 2, 128), (5, 3, 200), (17, 3, 128), (17, 2, 200)])
+def test_fused_moe_fp8_matches_quantized_reference(tokens, top_k, hidden):
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k + hidden)
+    num_experts, inter = 8, 128
+    w13, w2 = _experts(num_experts, hidden, inter, gen)
+    (w13q, s13), (w2q, s2) = block_quant(w13), block_quant(w2)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = _random_ids(tokens, top_k, num_experts, gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    out = triton_moe.TritonMoE().experts(x, weights, ids, w13q, w2q, s13, s2, (128, 128))
+    # Tight against the same quantization recipe; loose against unquantized activations (TorchMoE).
+    assert rel_err(out, fp8_moe_reference(x, weights, ids, w13q, s13, w2q, s2)) < 2e-3
+    ref = TorchMoE().experts(x.double(), weights.double(), ids, w13q, w2q, s13, s2, (128, 128))
+    assert rel_err(out, ref) < 8e-2
+
+
+def test_fused_moe_fp8_unfused_activation_quant_and_configs():
+    """BLOCK_N = 64 in the gate-up GEMM cannot fuse the 1x128 quantization: the separate kernel takes over."""
+    gen = torch.Generator().manual_seed(5)
+    w13, w2 = _experts(8, 128, 256, gen)
+    (w13q, s13), (w2q, s2) = block_quant(w13), block_quant(w2)
+    x = torch.randn(6, 128, generator=gen)
+    ids = _random_ids(6, 3, 8, gen)
+    weights = torch.rand(6, 3, generator=gen)
+    ref = fp8_moe_reference(x, weights, ids, w13q, s13, w2q, s2)
+    gemm = dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+    for cfg in ({"BLOCK_M": 16, "gate_up": gemm, "down": gemm},
+                {"BLOCK_M": 32, "gate_up": dict(gemm, BLOCK_N=256, BLOCK_K=128), "down": gemm}):
+        out = triton_moe_kernels.fused_experts(x, weights, ids, w13q, w2q, s13, s2, config=cfg)
+        assert rel_err(out, ref) < 2e-3
+
+
+def test_fused_moe_gemms_write_every_pair_row():
+    """Outputs poisoned with NaN before the run: every (pair, column) is written, padding rows never are."""
+    gen = torch.Generator().manual_seed(9)
+    w13, w2 = _experts(8, 200, 128, gen)
+    x = torch.randn(11, 200, generator=gen)
+    ids = _random_ids(11, 3, 8, gen, skew=False)
+    aligned = moe_align.align_tokens_layout(ids, 8, 16)
+    gemm = dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=2)
+    act = torch.full((33, 128), float("nan"))
+    triton_moe_kernels.invoke_fused_moe_gemm(x, None, w13, None, act, None, None, aligned, 3, True, 16, gemm)
+    out = torch.full((33, 200), float("nan"))
+    weights = torch.rand(33, generator=gen)
+    triton_moe_kernels.invoke_fused_moe_gemm(act, None, w2, None, out, None, weights, aligned, 1, False, 16, gemm)
+    assert not act.isnan().any() and not out.isnan().any()
+    pair = 3 * 4 + 1  # token 4, slot 1
+    e = int(ids[4, 1])
+    gate_up = x[4].double() @ w13[e].double().T
+    h = torch.nn.functional.silu(gate_up[:128]) * gate_up[128:]
+    torch.testing.assert_close(act[pair].double(), h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[pair].double(), weights[pair].double() * (act[pair].double() @ w2[e].double().T),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_quant_matches_reference():
+    gen = torch.Generator().manual_seed(8)
+    gate_up = torch.randn(19, 2 * 256, generator=gen).bfloat16()
+    q, s = triton_moe_kernels.silu_mul_quant(gate_up)
+    g, u = gate_up.float().chunk(2, dim=1)
+    ref_q, ref_s = per_token_group_quant(F.silu(g) * u)
+    torch.testing.assert_close(s, ref_s, rtol=1e-6, atol=0)
+    assert (q.float() != ref_q.float()).float().mean() < 0.01  # only sigmoid-ulp ties may round differently
+
+
+def test_moe_config_lookup(tmp_path, monkeypatch):
+    from pdserve.kernels import moe_configs
+
+    cfg = moe_configs.get_config(3, 8, 128, 128, 2, FP8_DTYPE, device="no-such-device")
+    assert cfg["BLOCK_M"] == 16 and cfg["gate_up"]["BLOCK_K"] == 128
+    entry = {"BLOCK_M": 32, "gate_up": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)}
+    entry["down"] = dict(entry["gate_up"])
+    import json
+
+    monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path)
+    moe_configs.load_configs.cache_clear()
+    name = moe_configs.config_file_name(8, 128, 256, "fp8_w8a8", "dev")
+    (tmp_path / name).write_text(json.dumps({"1": dict(entry, BLOCK_M=16), "64": entry}))
+    try:
+        assert moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")["BLOCK_M"] == 16
+        assert moe_configs.get_config(50, 8, 128, 256, 2, FP8_DTYPE, "dev")["BLOCK_M"] == 32
+        (tmp_path / name).write_text(json.dumps({"1": {"BLOCK_M": 16}}))
+        moe_configs.load_configs.cache_clear()
+        with pytest.raises(ValueError, match="tune_moe"):
+            moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")
+    finally:
+        moe_configs.load_configs.cache_clear()
+
+
+# ---- DeepGEMM layouts ----------------------------------------------------------------------------------------
+
+def _fp8_problem(tokens, top_k, num_experts=8, hidden=128, inter=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2 = _experts(num_experts, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    ids = _random_ids(tokens, top_k, num_experts, gen)
+    return x, torch.rand(tokens, top_k, generator=gen), ids, block_quant(w13), block_quant(w2)
+
+
+def test_contiguous_layout_follows_deep_gemm_contract():
+    x, _, ids, _, _ = _fp8_problem(17, 3)
+    xq, xs = per_token_group_quant(x)
+    aligned = moe_align.align_tokens_layout(ids, 8, 128)
+    a, sa, m_indices = deep_gemm_moe.contiguous_layout(xq, xs, aligned, 3)
+    assert a.shape[0] % 128 == 0 and m_indices.dtype == torch.int32
+    sid = aligned.sorted_token_ids.long()
+    pad = sid == ids.numel()
+    assert torch.equal(m_indices == -1, pad), "-1 exactly on padding rows"
+    assert (m_indices.view(-1, 128)[~pad.view(-1, 128).all(1)] >= 0).any(1).all()
+    assert torch.equal(m_indices[~pad].long(), ids.reshape(-1)[sid[~pad]])
+    assert torch.equal(a[~pad].view(torch.uint8), xq[sid[~pad] // 3].view(torch.uint8))
+    assert torch.equal(sa[~pad], xs[sid[~pad] // 3])
+
+
+def test_masked_layout_follows_deep_gemm_contract():
+    x, _, ids, _, _ = _fp8_problem(9, 3)
+    xq, xs = per_token_group_quant(x)
+    aligned = moe_align.align_tokens_layout(ids, 8, 1)
+    a, sa, masked_m, row_of_pair = deep_gemm_moe.masked_layout(xq, xs, aligned, 3, 8, 16)
+    assert a.shape == (8, 16, 128) and torch.equal(masked_m.long(), torch.bincount(ids.reshape(-1), minlength=8))
+    flat_a = a.view(8 * 16, 128).view(torch.uint8)
+    for p, e in enumerate(ids.reshape(-1).tolist()):
+        row = int(row_of_pair[p])
+        assert row // 16 == e and row % 16 < int(masked_m[e]), "a pair sits in its expert's slab, below masked_m"
+        assert torch.equal(flat_a[row], xq[p // 3].view(torch.uint8))
+        assert torch.equal(sa.view(8 * 16, -1)[row], xs[p // 3])
+    assert len(set(row_of_pair.tolist())) == ids.numel()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # SiLU of the never-written padding rows
+@pytest.mark.parametrize("tokens,top_k,path", [(1, 2, "masked"), (17, 3, "masked"), (5, 3, "contiguous"),
+                                               (17, 2, "contiguous")])
+def test_deep_gemm_backend_with_torch_contract_matches_reference(tokens, top_k, path):
+    x, weights, ids, (w13q, s13), (w2q, s2) = _fp8_problem(tokens, top_k, seed=tokens + top_k)
+    backend = deep_gemm_moe.DeepGemmMoE(ops=deep_gemm_moe.TorchDeepGemmOps(),
+                                        masked_max_tokens=128 if path == "masked" else 0)
+    out = backend.experts(x, weights, ids, w13q, w2q, s13, s2, (128, 128))
+    assert out.dtype == x.dtype and out.shape == x.shape
+    # DeepGEMM writes bf16 between the GEMMs (the Triton path keeps fp32 up to the fused quantization): about
+    # 1 in 16 activation codes moves by one fp8 step, ~1.5% of the output; a layout error would be ~100%.
+    assert rel_err(out, fp8_moe_reference(x, weights, ids, w13q, s13, w2q, s2)) < 4e-2
+    triton_out = triton_moe.TritonMoE().experts(x, weights, ids, w13q, w2q, s13, s2, (128, 128))
+    assert rel_err(out, triton_out) < 4e-2
