@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import cuda_time  # noqa: E402
 from pdserve.kernels.gemm import FP8_DTYPE, block_quant  # noqa: E402
 from pdserve.kernels.moe import RoutingConfig, select_experts  # noqa: E402
 from pdserve.kernels.triton_gemm import scaled_mm_blockwise_available, scaled_mm_weight_scale  # noqa: E402
@@ -35,20 +36,6 @@ SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_s
                               (64, 256, 4, 3), (128, 128, 8, 4)]]
 
 
-def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds per call, CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def cublas_fp8_tflops(m: int, n: int, k: int) -> float:

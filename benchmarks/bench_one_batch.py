@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import cuda_time  # noqa: E402
 from pdserve.config import ModelConfig  # noqa: E402
 from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner  # noqa: E402
 from pdserve.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -44,20 +45,6 @@ def v3_slice(layers: int, fp8: bool) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw, name=f"deepseek-v3-slice-{layers}L")
 
 
-def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds per call, CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth() -> float:

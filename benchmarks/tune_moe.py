@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import cuda_time  # noqa: E402
+
 from pdserve.kernels import moe_configs  # noqa: E402
 from pdserve.kernels.gemm import FP8_DTYPE  # noqa: E402
 
@@ -44,18 +46,7 @@ def search_space(rows_per_expert: float, fp8: bool, quick: bool) -> tuple[list[i
 
 def bench(fn, warmup: int = 3, iters: int = 10) -> float:
     """Median milliseconds per call (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return cuda_time(fn, iters, warmup) * 1e3
 
 
 def random_experts(num_experts: int, inter: int, hidden: int, fp8: bool):
