@@ -23,7 +23,7 @@ from pdserve.rpc_convert import finish_to_proto, layout_to_proto, sampling_from_
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.worker_common import WorkerIdentity, kv_layout, model_info
+from pdserve.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info
 
 from .engine import DecodeEngine
 
@@ -124,7 +124,7 @@ class DecodeWorker:
                              model=gen_pb.ModelInfo(**model_info(self.core)), kv_endpoint=self.receiver.endpoint)
 
 
-class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.w = worker
 
@@ -181,16 +181,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             if not finished:  # the router went away (client cancelled): free the pages now
                 w.metrics.count(w.metrics.requests, outcome="aborted")
                 w.loop.submit(lambda: w.engine.abort(stream.request_id))
-
-    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        found = await asyncio.wrap_future(self.w.loop.submit(lambda: self.w.engine.abort(request.request_id)))
-        return pb.AbortResponse(found=found)
-
-    async def GetLoad(self, request, context) -> pb.WorkerLoad:
-        return await asyncio.wrap_future(self.w.loop.submit(self.w.load))
-
-    async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
-        return self.w.info()
 
 
 async def serve_decode(worker: DecodeWorker, ready=None) -> None:

@@ -83,3 +83,20 @@ class Deliveries:
 
     def discard(self, key: str) -> None:
         self._futures.pop(key, None)
+
+
+class WorkerControl:
+    """The RPCs both worker services share (Abort, GetLoad, GetWorkerInfo), over `self.w`: a worker with an
+    engine loop, an engine with abort(request_id), load() and info()."""
+
+    async def Abort(self, request, context):
+        from pdserve.v1 import worker_pb2 as pb
+
+        found = await asyncio.wrap_future(self.w.loop.submit(lambda: self.w.engine.abort(request.request_id)))
+        return pb.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context):
+        return await asyncio.wrap_future(self.w.loop.submit(self.w.load))
+
+    async def GetWorkerInfo(self, request, context):
+        return self.w.info()

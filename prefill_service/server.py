@@ -22,7 +22,7 @@ from pdserve.rpc_convert import layout_from_proto, layout_to_proto, sampling_fro
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.worker_common import Deliveries, WorkerIdentity, kv_layout, model_info
+from pdserve.worker_common import Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info
 
 from .engine import PrefillEngine, PrefillJob
 
@@ -108,7 +108,7 @@ class PrefillWorker:
                              model=gen_pb.ModelInfo(**model_info(self.core)), block_size=self.layout.page_size)
 
 
-class PrefillServicer(pb_grpc.PrefillWorkerServicer):
+class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
     """Thin: converts messages, hands work to the engine thread, maps errors to status codes."""
 
     def __init__(self, worker: PrefillWorker):
@@ -159,16 +159,6 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)
-
-    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        found = await asyncio.wrap_future(self.w.loop.submit(lambda: self.w.engine.abort(request.request_id)))
-        return pb.AbortResponse(found=found)
-
-    async def GetLoad(self, request, context) -> pb.WorkerLoad:
-        return await asyncio.wrap_future(self.w.loop.submit(self.w.load))
-
-    async def GetWorkerInfo(self, request, context) -> pb.WorkerInfo:
-        return self.w.info()
 
 
 async def serve_prefill(worker: PrefillWorker, ready=None) -> None:
