@@ -18,33 +18,18 @@ import datetime
 import json
 import os
 import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import cuda_time  # noqa: E402
 from pdserve.kernels import flashinfer_attention  # noqa: E402
 from pdserve.kernels.triton_support import triton_installed  # noqa: E402
 
 R, P = 512, 64
 SCALE = 0.1352  # V3's softmax scale with the YaRN correction (FACTS §5); the value does not change the timing
-
-
-def cuda_time(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    """Median seconds per call, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(iters: int) -> float:
