@@ -16,6 +16,7 @@ from .registry import Registry
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INV_FP8_MAX = 1.0 / FP8_MAX  # activation scales are amax * this (see per_token_group_quant)
 
 
 def block_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -48,7 +49,9 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tens
     padded = x.new_zeros(m, g * group, dtype=torch.float32)
     padded[:, :k] = x.float()
     groups = padded.view(m, g, group)
-    scale = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # (M, G)
+    # NOTE: times the fp32 reciprocal, not `/ FP8_MAX`: torch on CUDA turns division by a Python scalar into that
+    # multiply while the CPU divides, so only this form gives the same scales on every device and in the kernel.
+    scale = groups.abs().amax(-1).clamp(min=1e-12) * INV_FP8_MAX  # (M, G)
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, g * group)[:, :k].contiguous(), scale
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import FP8_DTYPE, FP8_MAX
+from .gemm import FP8_DTYPE, FP8_MAX, INV_FP8_MAX
 from .triton_support import interpreter_requested, num_sms, patch_interpreter_for_numpy2
 
 if interpreter_requested():
@@ -28,7 +28,8 @@ GROUP = 128  # activation group and weight block edge: the only FP8 block shape 
 
 @triton.jit(do_not_specialize=["M", "M_OUT"])
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                        GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_C: tl.constexpr):
+                        GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                        INV_FP8_MAX_C: tl.constexpr):
     """One program: BLOCK_M rows x one group of GROUP_SIZE channels. Rows in [M, M_OUT) are padding (zeros)."""
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
@@ -37,9 +38,9 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, 
     col_ok = cols < K
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
                 mask=(rows[:, None] < M) & col_ok[None, :], other=0.0).to(tl.float32)
-    # NOTE: div_rn (IEEE division) so scales and codes match the torch reference bit for bit; plain `/` is
-    # an approximate division on the GPU.
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX_C)  # (BLOCK_M,)
+    # NOTE: the scale is amax times the fp32 reciprocal of FP8_MAX and the codes use div_rn (IEEE division; plain
+    # `/` is approximate on the GPU), exactly the torch reference's arithmetic, so both match bit for bit.
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) * INV_FP8_MAX_C  # (BLOCK_M,)
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
     out_rows = rows < M_OUT
@@ -68,7 +69,8 @@ def per_token_group_quant(x: torch.Tensor, group: int = GROUP, column_major_scal
     block_m = 16 if m_out >= 16 else triton.next_power_of_2(m_out)
     grid = (triton.cdiv(m_out, block_m), groups)
     _group_quant_kernel[grid](x, q, scale, m, m_out, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
-                              GROUP_SIZE=group, BLOCK_M=block_m, FP8_MAX_C=FP8_MAX, num_warps=4)
+                              GROUP_SIZE=group, BLOCK_M=block_m, FP8_MAX_C=FP8_MAX,
+                              INV_FP8_MAX_C=INV_FP8_MAX, num_warps=4)
     return q, scale
 
 

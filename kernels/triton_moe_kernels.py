@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import FP8_DTYPE, FP8_MAX
+from .gemm import FP8_DTYPE, FP8_MAX, INV_FP8_MAX
 from .moe_align import AlignedTokens, align_tokens_layout
 from .moe_configs import get_config
 from .triton_fp8 import GROUP, per_token_group_quant
@@ -46,7 +46,7 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
                       stride_om, stride_osm, stride_osg,
                       A_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                       QUANT_OUT: tl.constexpr, IEEE: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                      INV_FP8_MAX_C: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """out[pair, n] = f(A[pair // A_DIV] @ W[e]^T) for the BLOCK_M rows of one expert block.
@@ -128,13 +128,13 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
     if QUANT_OUT:
         # 1x128 quantization of the activation, as per_token_group_quant would do it (BLOCK_N % 128 == 0).
         if BLOCK_N == GROUP_N:  # one group per tile (the default): a plain row reduction
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12), FP8_MAX_C)  # (BLOCK_M,)
+            scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) * INV_FP8_MAX_C  # (BLOCK_M,)
             q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
             tl.store(os_ptr + offs_tok.to(tl.int64) * stride_osm + pid_n * stride_osg, scale, mask=tok_ok)
         else:
             G: tl.constexpr = BLOCK_N // GROUP_N
             hg = tl.reshape(h, (BLOCK_M, G, GROUP_N))
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12), FP8_MAX_C)  # (BLOCK_M, G)
+            scale = tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12) * INV_FP8_MAX_C  # (BLOCK_M, G)
             q = tl.minimum(tl.maximum(tl.math.div_rn(hg, scale[:, :, None]), -FP8_MAX_C), FP8_MAX_C)
             q = tl.reshape(q, (BLOCK_M, BLOCK_N))
             offs_g = pid_n * G + tl.arange(0, G)
@@ -149,7 +149,8 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
 
 @triton.jit(do_not_specialize=["R"])
 def _silu_mul_quant_kernel(h_ptr, q_ptr, s_ptr, R, I, stride_hm, stride_qm, stride_sm, stride_sg,
-                           GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_C: tl.constexpr):
+                           GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                           INV_FP8_MAX_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     cols = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
@@ -158,7 +159,7 @@ def _silu_mul_quant_kernel(h_ptr, q_ptr, s_ptr, R, I, stride_hm, stride_qm, stri
     gate = tl.load(base, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(base + I, mask=ok, other=0.0).to(tl.float32)
     h = gate * tl.sigmoid(gate) * up
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12), FP8_MAX_C)
+    scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) * INV_FP8_MAX_C
     q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g * stride_sg, scale, mask=rows < R)
@@ -175,7 +176,7 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block_m = 16
         _silu_mul_quant_kernel[(triton.cdiv(rows, block_m), s.shape[1])](
             gate_up, q, s, rows, inter, gate_up.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            GROUP_SIZE=GROUP, BLOCK_M=block_m, FP8_MAX_C=FP8_MAX, num_warps=4)
+            GROUP_SIZE=GROUP, BLOCK_M=block_m, FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX, num_warps=4)
     return q, s
 
 
@@ -206,7 +207,8 @@ def invoke_fused_moe_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: t
         w_scale.stride(2) if fp8 else 0,
         out.stride(0), out_scale.stride(0) if quant_out else 0, out_scale.stride(1) if quant_out else 0,
         A_DIV=a_div, GLU=glu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, QUANT_OUT=quant_out,
-        IEEE=a.dtype == torch.float32, FP8_MAX_C=FP8_MAX, GROUP_N=GROUP, GROUP_K=GROUP,
+        IEEE=a.dtype == torch.float32, FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX, GROUP_N=GROUP,
+        GROUP_K=GROUP,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
