@@ -1,4 +1,7 @@
-"""CUDA graphs for the decode forward: one graph per batch-size bucket, replayed with padded batches.
+"""CUDA graphs for DECODE-mode forwards: one graph per batch-size bucket, replayed with padded batches.
+
+Two kinds of forward are captured: the target model (plain decode, and NextN's verification rows) and the NextN/MTP
+layer (NextN's draft steps and draft extend), which also reads the previous hidden state from a static buffer.
 
 A decode step at small batch is launch-bound (hundreds of small kernels per layer); replaying a captured graph
 removes that overhead (SGLang: DeepSeek-V3 at batch 1 went from 7 to 31 tok/s). Everything a graph reads lives in
@@ -30,8 +33,8 @@ class CudaGraphConfig:
 
 
 class _Graph:
-    def __init__(self, bs: int, max_pages: int, hidden: int, vocab: int, scratch_page: int, page_size: int,
-                 device: torch.device):
+    def __init__(self, bs: int, max_pages: int, hidden: int, scratch_page: int, page_size: int,
+                 device: torch.device, hidden_dtype: Optional[torch.dtype] = None):
         self.bs = bs
         scratch_slot = scratch_page * page_size
         self.input_ids = torch.zeros(bs, dtype=torch.long, device=device)
@@ -40,6 +43,8 @@ class _Graph:
         self.page_table = torch.full((bs, max_pages), scratch_page, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(bs, dtype=torch.long, device=device)
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
+        # The MTP layer's second input, h_i of the target (None for target graphs).
+        self.prev_hidden = None if hidden_dtype is None else torch.zeros(bs, hidden, dtype=hidden_dtype, device=device)
         self.graph = torch.cuda.CUDAGraph()
         self.hidden: Optional[torch.Tensor] = None
         self.logits: Optional[torch.Tensor] = None
@@ -48,8 +53,11 @@ class _Graph:
         return ForwardBatch(ForwardMode.DECODE, self.input_ids, self.positions, self.out_slots, page_size,
                             page_table=self.page_table, seq_lens=self.seq_lens)
 
-    def fill(self, batch: ForwardBatch) -> None:
+    def fill(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None) -> None:
         n, width = batch.num_tokens, batch.page_table.shape[1]
+        if self.prev_hidden is not None:
+            self.prev_hidden[:n].copy_(prev_hidden)
+            self.prev_hidden[n:].zero_()
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.out_slots[:n].copy_(batch.out_slots)
@@ -65,47 +73,63 @@ class _Graph:
 
 
 class DecodeGraphRunner:
-    """Captures model decode (hidden states and logits) for each bucket; run() pads a batch to its bucket."""
+    """Captures a DECODE forward (hidden states and logits) for each bucket; run() pads a batch to its bucket.
+
+    mtp=False: the target model, `model(batch) -> hidden`, `model.logits(hidden)`.
+    mtp=True: the NextN/MTP layer, `model.mtp_forward(batch, prev_hidden) -> (logits, hidden)`.
+    """
 
     def __init__(self, model, pool, max_pages_per_seq: int, config: CudaGraphConfig,
-                 progress: Optional[Callable[[str], None]] = None):
-        self.model, self.pool, self.config = model, pool, config
+                 progress: Optional[Callable[[str], None]] = None, mtp: bool = False):
+        self.model, self.pool, self.config, self.mtp = model, pool, config, mtp
         self.max_pages = max_pages_per_seq
         self.graphs: dict[int, _Graph] = {}
+        self.replays = 0  # run() calls since capture (tests and benchmarks check the graphs are used)
         self.mempool = torch.cuda.graph_pool_handle()
         start = time.monotonic()
         for bs in reversed(config.buckets()):  # largest first: later graphs reuse its memory pool
             self.graphs[bs] = self._capture(bs)
         self.capture_seconds = time.monotonic() - start
         if progress:
-            progress(f"captured {len(self.graphs)} CUDA graphs for decode (batch sizes {config.buckets()}) "
+            what = "NextN draft steps" if mtp else "decode"
+            progress(f"captured {len(self.graphs)} CUDA graphs for {what} (batch sizes {config.buckets()}) "
                      f"in {self.capture_seconds:.1f}s")
 
     def _capture(self, bs: int) -> _Graph:
         cfg = self.model.cfg
-        g = _Graph(bs, self.max_pages, cfg.hidden_size, cfg.vocab_size, self.pool.scratch_page, self.pool.page_size,
-                   self.pool.kv.device)
+        g = _Graph(bs, self.max_pages, cfg.hidden_size, self.pool.scratch_page, self.pool.page_size,
+                   self.pool.kv.device, self.pool.dtype if self.mtp else None)
         batch = g.batch(self.pool.page_size)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up: lazy init, autotuning, allocator
             for _ in range(2):
-                self.model.logits(self.model(batch, self.pool.kv))
+                self._forward(g, batch)
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(g.graph, pool=self.mempool):
-            g.hidden = self.model(batch, self.pool.kv)
-            g.logits = self.model.logits(g.hidden)
+            g.hidden, g.logits = self._forward(g, batch)
         return g
+
+    def _forward(self, g: _Graph, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mtp:
+            logits, hidden = self.model.mtp_forward(batch, g.prev_hidden, self.pool.kv)
+            return hidden, logits
+        hidden = self.model(batch, self.pool.kv)
+        return hidden, self.model.logits(hidden)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.mode is ForwardMode.DECODE and batch.num_tokens <= max(self.graphs, default=0)
                 and batch.page_table.shape[1] <= self.max_pages)
 
-    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (hidden (B, D), logits (B, vocab)) for the batch's B rows."""
+    def run(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (hidden (B, D), logits (B, vocab)) for the batch's B rows: views of the graph's static outputs,
+        valid until this runner's next replay. prev_hidden (B, D): the MTP layer's input (mtp runners only)."""
+        assert (prev_hidden is not None) == self.mtp, "prev_hidden is the MTP graphs' input, and theirs only"
         bs = min(b for b in self.graphs if b >= batch.num_tokens)
         g = self.graphs[bs]
-        g.fill(batch)
+        g.fill(batch, prev_hidden)
         g.graph.replay()
+        self.replays += 1
         n = batch.num_tokens
         return g.hidden[:n], g.logits[:n]

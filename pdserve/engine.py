@@ -82,10 +82,8 @@ class LLMEngine:
             sched = dataclasses.replace(sched, max_model_len=cfg.max_position_embeddings)
         spec = config.speculative
         self.scheduler = Scheduler(sched, config.cache, self.prefix_cache, spec.num_steps if spec.enabled else 0)
-        # NOTE: with speculation every decode row goes through the speculator, which runs eagerly (no graphs yet),
-        # so graphs for the plain decode batch would never be replayed.
-        graphs = None if spec.enabled else self._capture_graphs(kernels, sched.max_model_len, progress)
-        self.runner = ModelRunner(self.model, self.pool, config.device, graphs)
+        graphs = self._capture_graphs(kernels, sched.max_model_len, progress)
+        self.runner = ModelRunner(self.model, self.pool, config.device, *graphs)
         self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
         self.spec_observer = spec_observer
         self.sampler = Sampler()
@@ -94,19 +92,30 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
 
-    def _capture_graphs(self, kernels: KernelBackends, max_model_len: int,
-                        progress: Optional[Callable[[str], None]]) -> Optional[DecodeGraphRunner]:
+    def _capture_graphs(self, kernels: KernelBackends, max_model_len: int, progress: Optional[Callable[[str], None]]
+                        ) -> tuple[Optional[DecodeGraphRunner], Optional[DecodeGraphRunner]]:
+        """(target graphs, MTP-layer graphs); the latter only with speculation."""
         if not self.config.cuda_graph.enabled or not str(self.config.device).startswith("cuda"):
-            return None
+            return None, None
         unsafe = [f"{kind}={type(b).__name__}" for kind, b in
                   (("attention", kernels.attention), ("moe", kernels.moe), ("gemm", kernels.gemm))
                   if not getattr(b, "graph_safe", False)]
         if unsafe:  # those synchronise with the host (data-dependent shapes): they cannot be captured
             (progress or print)(f"CUDA graphs off: backends {', '.join(unsafe)} cannot be captured "
                                 "(use --attention-backend triton --moe-backend triton, or --disable-cuda-graph)")
-            return None
+            return None, None
         max_pages = -(-max_model_len // self.pool.page_size)
-        return DecodeGraphRunner(self.model, self.pool, max_pages, self.config.cuda_graph, progress)
+        graph_config, spec = self.config.cuda_graph, self.config.speculative
+        if not spec.enabled:
+            return DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress), None
+        # With NextN a batch of B requests verifies B*(k+1) rows and extends up to as many MTP rows: graphs for those
+        # sizes too, so every bucket of plain decode has its speculative counterpart.
+        width = spec.num_steps + 1
+        base = graph_config.buckets()
+        graph_config = dataclasses.replace(graph_config, max_bs=graph_config.max_bs * width,
+                                           batch_sizes=tuple(sorted(set(base) | {b * width for b in base})))
+        return (DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress),
+                DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress, mtp=True))
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,

@@ -37,9 +37,10 @@ class ForwardOutput:
 
 class ModelRunner:
     def __init__(self, model: DeepseekV3, pool: LatentKVPool, device: torch.device,
-                 graphs: Optional[DecodeGraphRunner] = None):
+                 graphs: Optional[DecodeGraphRunner] = None, mtp_graphs: Optional[DecodeGraphRunner] = None):
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.graphs = graphs  # decode batches replay captured CUDA graphs when they fit a bucket
+        self.mtp_graphs = mtp_graphs  # likewise for the MTP layer's rows (NextN drafting)
 
     def execute(self, out: SchedulerOutput, layer_done: Optional[Callable[[int], None]] = None) -> ForwardOutput:
         """layer_done(layer) is called as each layer of the prefill forward has written its KV."""
@@ -96,13 +97,21 @@ class ModelRunner:
     # ---- arbitrary token rows (speculative decoding) -------------------------------------------------------------
     def target_rows(self, rows: list[TokenRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """The target model over token rows; returns (hidden (rows, D) before the final norm, logits fp32)."""
-        h = self.model(self.rows_batch(rows), self.pool.kv)  # (rows, D)
+        batch = self.rows_batch(rows)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            h, logits = self.graphs.run(batch)
+            return h.clone(), logits.clone()  # the speculator keeps them across later replays
+        h = self.model(batch, self.pool.kv)  # (rows, D)
         return h, self.model.logits(h)
 
     def mtp_rows(self, rows: list[TokenRow], prev_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over token rows: row i takes token t_{p+1} at position p and prev_hidden[i] (h_p).
         Returns (draft logits (rows, vocab) fp32, MTP hidden (rows, D))."""
-        return self.model.mtp_forward(self.rows_batch(rows), prev_hidden, self.pool.kv)
+        batch = self.rows_batch(rows)
+        if self.mtp_graphs is not None and self.mtp_graphs.can_run(batch):
+            h, logits = self.mtp_graphs.run(batch, prev_hidden)
+            return logits.clone(), h.clone()  # draft states outlive the next replay
+        return self.model.mtp_forward(batch, prev_hidden, self.pool.kv)
 
     def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
         ps = self.pool.page_size

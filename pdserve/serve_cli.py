@@ -15,7 +15,10 @@ import time
 from typing import Optional
 
 log = logging.getLogger("pdserve")
-DEFAULT_MODEL_DIR = os.path.join("models", "tiny-deepseek-v3")
+# The committed demo model (scripts/train_tiny.py: 4M parameters trained on Python's standard library, with an MTP
+# layer that NextN speculation accepts); the random tiny model is made only if a checkout lacks it.
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-trained")
+FALLBACK_MODEL_DIR = os.path.join("models", "tiny-deepseek-v3")
 
 
 def _say(msg: str) -> None:
@@ -309,8 +312,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             from pdserve.tiny_model import make_tiny_model
 
-            _say(f"no --model given: making the bundled tiny model in {args.model}")
-            make_tiny_model(args.model)
+            args.model = FALLBACK_MODEL_DIR
+            if not os.path.isfile(os.path.join(args.model, "config.json")):
+                _say(f"no --model given and no trained demo model: making a random tiny model in {args.model}")
+                make_tiny_model(args.model)
     procs: list[tuple[str, subprocess.Popen]] = []
     common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout)]
     if args.redis_url:

@@ -24,7 +24,8 @@ drafts, so none of this can change the output: only the acceptance rate. (For th
 served from the prefix cache keep the MTP KV of the request that computed them, although at a page's last
 position that request's next token may have differed.)
 
-The CPU path here runs eagerly; CUDA graphs for the draft steps and the verification pass are not built yet.
+On CUDA the draft steps, the verification pass and the draft extend are DECODE-mode batches that replay captured
+graphs (ModelRunner.target_rows / mtp_rows, graphs captured for B and B*(k+1) rows); the CPU runs them eagerly.
 """
 
 from __future__ import annotations
@@ -242,11 +243,14 @@ class NextNSpeculator:
                 logits, h = self.runner.mtp_rows(step_rows, torch.stack([step_hidden[i] for i in active]))
                 for a, i in enumerate(active):
                     step_logits[i], step_hidden[i] = logits[a], h[a]
+            greedy = [i for i in active if rows[i].request.params.is_greedy]
+            if greedy:  # one argmax and one device->host copy for the whole step
+                ids = torch.stack([step_logits[i] for i in greedy]).argmax(dim=-1).tolist()
+                for i, tok in zip(greedy, ids):
+                    drafts[i].append(tok)
             for i in active:
                 req = rows[i].request
-                if req.params.is_greedy:
-                    drafts[i].append(int(torch.argmax(step_logits[i])))
-                else:
+                if not req.params.is_greedy:
                     q = probs_after_processing(step_logits[i], req.params)
                     drafts[i].append(int(torch.multinomial(q, 1, generator=req.generator)))
                     probs[i].append(q)
@@ -260,19 +264,21 @@ class NextNSpeculator:
             n = req.num_tokens
             vrows += [TokenRow(req, n - 1 + m, tok) for m, tok in enumerate([req.all_token_ids[-1], *d])]
         hidden, logits = self.runner.target_rows(vrows)  # (sum(k+1), D), (sum(k+1), vocab)
+        target_ids = logits.argmax(dim=-1).tolist()  # greedy rows' targets, in one device->host copy
         out, off = [], 0
         for row, d, q in zip(rows, drafts, draft_probs):
             req, width = row.request, len(d) + 1
-            tokens = _accept(logits[off: off + width], d, q, req.params, req.generator)
+            if req.params.is_greedy:  # no random draws: the generator stays untouched, as in plain decoding
+                tokens = greedy_accept(target_ids[off: off + width], d)
+            else:
+                tokens = _sample_accept(logits[off: off + width], d, q, req.params, req.generator)
             out.append(Verified(row, tokens, hidden[off: off + len(tokens)]))
             off += width
         return out
 
 
-def _accept(logits: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor], params: SamplingParams,
-            generator: Optional[torch.Generator]) -> list[int]:
-    if params.is_greedy:  # no random draws: greedy runs leave the generator untouched, as plain decoding does
-        return greedy_accept(torch.argmax(logits, dim=-1).tolist(), drafts)
+def _sample_accept(logits: torch.Tensor, drafts: list[int], draft_probs: list[torch.Tensor], params: SamplingParams,
+                   generator: Optional[torch.Generator]) -> list[int]:
     target = torch.stack([probs_after_processing(row, params) for row in logits])  # (k+1, V)
     q = torch.stack(draft_probs) if draft_probs else target.new_empty(0, target.shape[1])
     return rejection_sample(target, q, drafts, generator)

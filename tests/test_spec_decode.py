@@ -146,6 +146,25 @@ def test_greedy_equals_plain_decoding(friendly, k):
     assert_idle(engine)
 
 
+CODE_PROMPTS = ["def parse_args(argv=None):\n    parser = argparse.", "import os\nimport sys\n\n\nclass ",
+                "    for i in range(len(items)):\n        if ", "    return self._", "Hello"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_trained_model_greedy_equals_plain_decoding(trained_model_dir, k):
+    """The committed demo model: its MTP head has learned, so most drafts are accepted, and the tokens are still
+    exactly plain decoding's (fp32, CPU)."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = [o.output_ids for o in make_engine(trained_model_dir, page_size=16).generate(CODE_PROMPTS, params)]
+    engine = make_engine(trained_model_dir, k=k, page_size=16)
+    outs, _ = run_checking_pages(engine, CODE_PROMPTS, params)
+    assert [o.output_ids for o in outs] == ref
+    rate = engine.speculator.mean_accept_length
+    print(f"trained model, k={k}: mean accept length {rate:.2f}")
+    assert rate > 1.5  # measured 1.73 at k=1 and 2.04 at k=3 on these prompts (an untrained head stays near 1)
+    assert_idle(engine)
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_greedy_equals_plain_decoding_with_oracle_drafts(tiny_v3_dir, reference, k):
     ref, seqs = reference

@@ -23,8 +23,11 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_new_tokens=14, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def friendly_dir(tiny_v3_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["mtp-friendly", "trained"])
+def friendly_dir(request, tiny_v3_dir, trained_model_dir, tmp_path_factory):
+    """The random tiny model with an MTP layer that copies the target's head, and the committed trained model."""
+    if request.param == "trained":
+        return trained_model_dir
     return make_mtp_friendly_model(tiny_v3_dir, tmp_path_factory.mktemp("pd-friendly") / "model")
 
 

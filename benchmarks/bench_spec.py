@@ -1,0 +1,250 @@
+"""NextN speculative decoding on a GPU: acceptance, decode tokens/s with and without speculation, the cost of a
+draft step, bf16 divergence analysis (trained model); draft and verify overhead on a DeepSeek-V3 slice.
+
+    python benchmarks/bench_spec.py --model models/tiny-trained --out spec.json [--batch 1 8 32] [--steps 3]
+
+Trained model (bf16, CUDA graphs over decode, draft steps, verification and draft extend):
+  - decode tokens/s at each batch size, speculation off and on (k = --steps), over held-out prompts
+    (files the training never saw, when run with the Python that trained the model); time to the first token is
+    excluded: the clock starts when every request has its first token;
+  - mean accepted tokens per verification step;
+  - one draft step (MTP graph replay) vs one target decode step (graph replay) at the same batch size;
+  - greedy identity, speculation on vs off, per prompt; at every first divergence, the target's top-2 logit gap in
+    fp32 next to the bf16-vs-fp32 logit error at that position ("within bf16 rounding" when gap <= error).
+V3 slice (FP8 dummy weights, --v3-layers layers + NextN): per batch size, graph replay times of one decode step
+(B rows), one verification pass (B*(k+1) rows), one draft step (B rows), and the per-round overhead ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from benchmarks.bench_one_batch import decode_batch, v3_slice  # noqa: E402
+from benchmarks.timing import cuda_time  # noqa: E402
+from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner  # noqa: E402
+from pdserve.engine import EngineConfig, LLMEngine  # noqa: E402
+from pdserve.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from pdserve.kernels import KernelBackends  # noqa: E402
+from pdserve.kv_cache import CacheConfig, LatentKVPool  # noqa: E402
+from pdserve.sampling import SamplingParams  # noqa: E402
+from pdserve.scheduler import SchedulerConfig  # noqa: E402
+from pdserve.spec_decode import SpeculativeConfig  # noqa: E402
+from pdserve.weights import load_model  # noqa: E402
+
+
+DEVICE = "cuda"  # --device; "cpu" only smoke-tests the script (no graphs, no timings worth reporting)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def log(msg: str) -> None:
+    print(f"[spec] {msg}", flush=True)
+
+
+def held_out_prompts(model_dir: str, n: int, length: int) -> list[list[int]]:
+    """n prompts of `length` tokens cut from the held-out split of scripts/train_tiny.py's corpus."""
+    from tokenizers import Tokenizer
+    from train_tiny import load_corpus
+
+    _, held = load_corpus(4_000_000)
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    ids = [i for text in held for i in tok.encode(text).ids]
+    stride = max(length, (len(ids) - length) // max(n, 1))
+    return [ids[i * stride: i * stride + length] for i in range(n)]
+
+
+def engine(args, speculate: bool, dtype: str = "bfloat16", graphs: bool = True, max_bs: int = 32) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        args.model, dtype=dtype, device=DEVICE, attention_backend=args.attention_backend,
+        moe_backend=args.moe_backend, gemm_backend="torch",
+        cache=CacheConfig(page_size=16, num_pages=4096),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_running_requests=max(max_bs, 1)),
+        cuda_graph=CudaGraphConfig(enabled=graphs, max_bs=max_bs),
+        speculative=SpeculativeConfig("NEXTN", args.steps) if speculate else SpeculativeConfig()),
+        progress=lambda _: None)
+
+
+def decode_run(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, int]:
+    """Greedy generation; returns (outputs, decode seconds, tokens emitted in that time). The clock starts once
+    every request has its first token, so prefill is excluded."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in prompts]
+    outputs: dict[str, list[int]] = {i: [] for i in ids}
+
+    def step() -> int:
+        n = 0
+        for o in eng.step():
+            outputs[o.request_id] += o.new_token_ids
+            n += len(o.new_token_ids)
+        return n
+
+    while any(not v for v in outputs.values()):
+        step()
+    sync()
+    start, emitted = time.perf_counter(), 0
+    while eng.has_unfinished:
+        emitted += step()
+    sync()
+    assert eng.kv_pages_in_use_by_requests() == 0, "pages still held after the run"
+    return [outputs[i] for i in ids], time.perf_counter() - start, emitted
+
+
+def bench_trained(args) -> dict:
+    prompts = held_out_prompts(args.model, max(max(args.batch), args.divergence_prompts), args.prompt_len)
+    result: dict = {"batches": []}
+    for b in args.batch:
+        row = {"batch": b}
+        for speculate in (False, True):
+            eng = engine(args, speculate, max_bs=b)
+            decode_run(eng, prompts[:b], 8)  # warm-up (autotuning, allocator)
+            if speculate:
+                eng.speculator.num_rows = eng.speculator.num_emitted = eng.speculator.num_drafted = 0
+            _, seconds, emitted = decode_run(eng, prompts[:b], args.new_tokens)
+            key = "spec" if speculate else "plain"
+            row[f"{key}_tok_s"] = emitted / seconds
+            if speculate:
+                row["accept_length"] = eng.speculator.mean_accept_length
+                g, d = eng.runner.graphs, eng.runner.mtp_graphs
+                if DEVICE == "cuda":
+                    assert g is not None and d is not None, "graphs were not captured with speculation on"
+                    bs = min(x for x in d.graphs if x >= b)
+                    row["draft_step_ms"] = cuda_time(d.graphs[bs].graph.replay, iters=50) * 1e3
+                    row["target_step_ms"] = cuda_time(g.graphs[bs].graph.replay, iters=50) * 1e3
+                else:
+                    row["draft_step_ms"] = row["target_step_ms"] = float("nan")
+                row["draft_over_target"] = row["draft_step_ms"] / row["target_step_ms"]
+            del eng
+            free_memory()
+        row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
+        log(f"B={b:3d}: plain {row['plain_tok_s']:9.1f} tok/s, NextN k={args.steps} {row['spec_tok_s']:9.1f} tok/s "
+            f"({row['speedup']:.2f}x), accept length {row['accept_length']:.2f}, draft step "
+            f"{row['draft_step_ms']:.3f} ms vs target step {row['target_step_ms']:.3f} ms "
+            f"({row['draft_over_target']:.2f})")
+        result["batches"].append(row)
+    result["divergence"] = divergence(args, prompts[: args.divergence_prompts])
+    return result
+
+
+def last_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """The target's fp32 logits (vocab,) after the token sequence `ids` (one prefill forward)."""
+    pool = eng.pool
+    pages = pool.allocator.alloc(-(-len(ids) // pool.page_size))
+    try:
+        batch = ForwardBatch(ForwardMode.EXTEND, torch.tensor(ids, device=DEVICE),
+                             torch.arange(len(ids), device=DEVICE), pool.slots_for(pages, 0, len(ids)).to(DEVICE),
+                             pool.page_size, qo_indptr=[0, len(ids)], prefix_lens=[0], page_tables=[pages])
+        return eng.model.logits(eng.model(batch, pool.kv)[-1:])[0].float()
+    finally:
+        pool.allocator.decref(pages)
+
+
+def divergence(args, prompts: list[list[int]]) -> dict:
+    """bf16 + graphs: speculation on vs off, greedy. Each first divergence is explained (or not) by bf16 rounding."""
+    plain, _, _ = decode_run(engine(args, False), prompts, args.new_tokens)
+    spec, _, _ = decode_run(engine(args, True), prompts, args.new_tokens)
+    free_memory()
+    bf16, fp32 = engine(args, False, graphs=False), engine(args, False, "float32", graphs=False)
+    cases = []
+    for p, a, s in zip(prompts, plain, spec):
+        if a == s:
+            continue
+        i = next(j for j, (x, y) in enumerate(zip(a, s)) if x != y)
+        ctx = p + a[:i]
+        ref, low = last_logits(fp32, ctx), last_logits(bf16, ctx)
+        top2 = torch.topk(ref, 2).values
+        gap, err = float(top2[0] - top2[1]), float((low - ref).abs().max())
+        cases.append(dict(position=i, plain_token=a[i], spec_token=s[i], fp32_top2_gap=gap,
+                          bf16_logit_error=err, within_bf16_rounding=gap <= err))
+    explained = sum(c["within_bf16_rounding"] for c in cases)
+    log(f"bf16 divergence: {len(prompts) - len(cases)}/{len(prompts)} prompts identical over {args.new_tokens} "
+        f"tokens; {explained}/{len(cases)} first divergences at an fp32 top-2 gap within the bf16 logit error")
+    return dict(prompts=len(prompts), new_tokens=args.new_tokens, identical=len(prompts) - len(cases),
+                divergences=cases, explained_by_bf16=explained)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_v3_slice(args) -> list[dict]:
+    cfg = v3_slice(args.v3_layers, fp8=True)
+    kernels = KernelBackends.create(args.attention_backend, args.moe_backend, args.v3_gemm_backend)
+    model = load_model(None, cfg, torch.bfloat16, kernels, "dummy", "cuda")
+    width, ctx, page = args.steps + 1, args.v3_ctx, 64
+    sizes = sorted({b for b in args.batch} | {b * width for b in args.batch})
+    pool = LatentKVPool(cfg.num_kv_layers, cfg.kv_cache_dim,
+                        CacheConfig(page, max(sizes) * (-(-ctx // page)) + 8), torch.bfloat16, "cuda")
+    graph_cfg = CudaGraphConfig(batch_sizes=tuple(sizes), max_bs=max(sizes))
+    target = DecodeGraphRunner(model, pool, -(-ctx // page), graph_cfg)
+    draft = DecodeGraphRunner(model, pool, -(-ctx // page), graph_cfg, mtp=True)
+    rows = []
+    for b in args.batch:
+        plain_rows, wide_rows = decode_batch(pool, b, ctx, "cuda"), decode_batch(pool, b * width, ctx, "cuda")
+        hidden = torch.randn(b, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        wide_hidden = hidden.repeat(width, 1)
+        decode_ms = cuda_time(lambda: target.run(plain_rows), iters=20) * 1e3
+        verify_ms = cuda_time(lambda: target.run(wide_rows), iters=20) * 1e3
+        draft_ms = cuda_time(lambda: draft.run(plain_rows, hidden), iters=20) * 1e3
+        # A round: k draft steps + the verification + the draft extend (at most B*(k+1) MTP rows; timed at that).
+        extend_ms = cuda_time(lambda: draft.run(wide_rows, wide_hidden), iters=20) * 1e3
+        round_ms = args.steps * draft_ms + verify_ms + extend_ms
+        row = dict(batch=b, ctx=ctx, decode_ms=decode_ms, verify_ms=verify_ms, draft_step_ms=draft_ms,
+                   extend_ms=extend_ms, round_ms=round_ms, verify_over_decode=verify_ms / decode_ms,
+                   draft_over_decode=draft_ms / decode_ms, breakeven_accept_length=round_ms / decode_ms)
+        rows.append(row)
+        log(f"V3 slice {args.v3_layers}L B={b:3d} ctx {ctx}: decode {decode_ms:.3f} ms, verify ({b * width} rows) "
+            f"{verify_ms:.3f} ms ({row['verify_over_decode']:.2f}x), draft step {draft_ms:.3f} ms "
+            f"({row['draft_over_decode']:.2f}x), extend {extend_ms:.3f} ms; a round costs "
+            f"{row['breakeven_accept_length']:.2f} decode steps")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--model", default="models/tiny-trained", help="trained checkpoint with an MTP layer")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--steps", type=int, default=3, help="draft steps per round (k)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--divergence-prompts", type=int, default=32)
+    p.add_argument("--attention-backend", default="triton", help="graph-safe backends: triton")
+    p.add_argument("--moe-backend", default="triton")
+    p.add_argument("--v3-layers", type=int, default=4, help="main layers of the V3 slice (0 = skip the slice)")
+    p.add_argument("--v3-ctx", type=int, default=1024)
+    p.add_argument("--v3-gemm-backend", default="triton")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke test of the script with the torch backends (no graphs, no V3 slice)")
+    args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cpu":
+        args.attention_backend = args.moe_backend = "torch"
+    result = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), trained=bench_trained(args))
+    free_memory()
+    if args.v3_layers and DEVICE == "cuda":
+        result["v3_slice"] = bench_v3_slice(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
