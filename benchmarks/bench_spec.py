@@ -104,39 +104,79 @@ def decode_run(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tup
 
 
 def bench_trained(args) -> dict:
-    prompts = held_out_prompts(args.model, max(max(args.batch), args.divergence_prompts), args.prompt_len)
+    prompts = held_out_prompts(args.model, max(max(args.batch), args.divergence_prompts, args.min_prompts),
+                               args.prompt_len)
     result: dict = {"batches": []}
     for b in args.batch:
-        row = {"batch": b}
+        # Small batches run several groups of prompts one after the other, so acceptance is not one prompt's.
+        groups = [prompts[i * b:(i + 1) * b] for i in range(max(1, args.min_prompts // b))]
+        row = {"batch": b, "prompts": b * len(groups)}
         for speculate in (False, True):
             eng = engine(args, speculate, max_bs=b)
-            decode_run(eng, prompts[:b], 8)  # warm-up (autotuning, allocator)
+            decode_run(eng, groups[0], 8)  # warm-up (autotuning, allocator)
             if speculate:
                 eng.speculator.num_rows = eng.speculator.num_emitted = eng.speculator.num_drafted = 0
-            _, seconds, emitted = decode_run(eng, prompts[:b], args.new_tokens)
-            key = "spec" if speculate else "plain"
-            row[f"{key}_tok_s"] = emitted / seconds
+            seconds = emitted = 0
+            for group in groups:
+                _, s, e = decode_run(eng, group, args.new_tokens)
+                seconds, emitted = seconds + s, emitted + e
+            row[f"{'spec' if speculate else 'plain'}_tok_s"] = emitted / seconds
             if speculate:
                 row["accept_length"] = eng.speculator.mean_accept_length
-                g, d = eng.runner.graphs, eng.runner.mtp_graphs
-                if DEVICE == "cuda":
-                    assert g is not None and d is not None, "graphs were not captured with speculation on"
-                    bs = min(x for x in d.graphs if x >= b)
-                    row["draft_step_ms"] = cuda_time(d.graphs[bs].graph.replay, iters=50) * 1e3
-                    row["target_step_ms"] = cuda_time(g.graphs[bs].graph.replay, iters=50) * 1e3
-                else:
-                    row["draft_step_ms"] = row["target_step_ms"] = float("nan")
-                row["draft_over_target"] = row["draft_step_ms"] / row["target_step_ms"]
+                row.update(stage_times(eng, b, args.steps))
             del eng
             free_memory()
         row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
-        log(f"B={b:3d}: plain {row['plain_tok_s']:9.1f} tok/s, NextN k={args.steps} {row['spec_tok_s']:9.1f} tok/s "
-            f"({row['speedup']:.2f}x), accept length {row['accept_length']:.2f}, draft step "
-            f"{row['draft_step_ms']:.3f} ms vs target step {row['target_step_ms']:.3f} ms "
-            f"({row['draft_over_target']:.2f})")
+        log(f"B={b:3d} ({row['prompts']} prompts): plain {row['plain_tok_s']:9.1f} tok/s, NextN k={args.steps} "
+            f"{row['spec_tok_s']:9.1f} tok/s ({row['speedup']:.2f}x), accept length {row['accept_length']:.2f}; "
+            f"GPU: target step {row['target_step_ms']:.3f} ms, draft step {row['draft_step_ms']:.3f} ms "
+            f"({row['draft_over_target']:.2f}), round {row['round_gpu_ms']:.3f} ms = verify {row['verify_ms']:.3f} + "
+            f"chain {row['chain_ms']:.3f} + extend {row['extend_ms']:.3f}; GPU-only bound on the speed-up "
+            f"{row['gpu_bound_speedup']:.2f}x")
         result["batches"].append(row)
     result["divergence"] = divergence(args, prompts[: args.divergence_prompts])
+    if args.profile:
+        profile_round(args, prompts[:1])
     return result
+
+
+def stage_times(eng: LLMEngine, b: int, k: int) -> dict:
+    """Graph replay times of one plain step and of a round's stages at batch b: the verification (b*(k+1) rows),
+    the chained drafts d_2..d_k (b rows) and the draft extend (timed at its largest, b*(k+1) rows)."""
+    if DEVICE != "cuda":
+        return dict.fromkeys(("target_step_ms", "draft_step_ms", "draft_over_target", "verify_ms", "chain_ms",
+                              "extend_ms", "round_gpu_ms", "gpu_bound_speedup"), float("nan"))
+    g, d = eng.runner.graphs, eng.runner.mtp_graphs
+    assert g is not None and d is not None, "graphs were not captured with speculation on"
+
+    def bucket(graphs, rows):
+        return graphs.graphs[min(x for x in graphs.graphs if x >= rows)]
+
+    t = dict(target_step_ms=cuda_time(bucket(g, b).graph.replay, iters=50) * 1e3,
+             draft_step_ms=cuda_time(bucket(d, b).graph.replay, iters=50) * 1e3,
+             verify_ms=cuda_time(bucket(g, b * (k + 1)).graph.replay, iters=50) * 1e3,
+             chain_ms=cuda_time(bucket(d, b).chain.replay, iters=50) * 1e3 if k > 1 else 0.0,
+             extend_ms=cuda_time(bucket(d, b * (k + 1)).graph.replay, iters=50) * 1e3)
+    t["draft_over_target"] = t["draft_step_ms"] / t["target_step_ms"]
+    t["round_gpu_ms"] = t["verify_ms"] + t["chain_ms"] + t["extend_ms"]
+    accept = eng.speculator.mean_accept_length
+    t["gpu_bound_speedup"] = accept * t["target_step_ms"] / t["round_gpu_ms"]  # no host time on either side
+    return t
+
+
+def profile_round(args, prompts: list[list[int]]) -> None:
+    """Where the host time of speculative decoding at batch 1 goes (cProfile, top functions by own time)."""
+    import cProfile
+    import pstats
+
+    eng = engine(args, True, max_bs=1)
+    decode_run(eng, prompts, 8)
+    prof = cProfile.Profile()
+    prof.enable()
+    _, seconds, emitted = decode_run(eng, prompts, args.new_tokens)
+    prof.disable()
+    log(f"profile: B=1 NextN {emitted / seconds:.1f} tok/s; top host functions by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def last_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -222,6 +262,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=3, help="draft steps per round (k)")
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least (run in groups)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--divergence-prompts", type=int, default=32)
     p.add_argument("--attention-backend", default="triton", help="graph-safe backends: triton")
@@ -229,6 +270,7 @@ def main() -> None:
     p.add_argument("--v3-layers", type=int, default=4, help="main layers of the V3 slice (0 = skip the slice)")
     p.add_argument("--v3-ctx", type=int, default=1024)
     p.add_argument("--v3-gemm-backend", default="triton")
+    p.add_argument("--profile", action="store_true", help="also cProfile speculative decoding at batch 1")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke test of the script with the torch backends (no graphs, no V3 slice)")
     args = p.parse_args()

@@ -134,8 +134,10 @@ def main() -> None:
     if os.path.isfile(path):
         with open(path) as f:
             table = json.load(f)
-    for tokens in args.tokens:
-        best = tune_tokens(tokens, args, weights, deadline)
+    for i, tokens in enumerate(args.tokens):
+        # Each token count gets an equal share of what is left, so a slow one cannot starve the rest.
+        share = (deadline - time.time()) / (len(args.tokens) - i)
+        best = tune_tokens(tokens, args, weights, time.time() + share)
         if best is not None:
             table[str(tokens)] = best[1]
             print(f"T={tokens}: {best[0]:.3f} ms  {best[1]}", flush=True)

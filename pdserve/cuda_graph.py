@@ -2,6 +2,9 @@
 
 Two kinds of forward are captured: the target model (plain decode, and NextN's verification rows) and the NextN/MTP
 layer (NextN's draft steps and draft extend), which also reads the previous hidden state from a static buffer.
+For greedy drafting the MTP runner also captures a *chain*: several draft steps in one graph, each step's argmax
+feeding the next on the GPU (SGLang's multi-step draft graph), so a round pays one replay and one host sync for
+all of its drafts instead of one per step.
 
 A decode step at small batch is launch-bound (hundreds of small kernels per layer); replaying a captured graph
 removes that overhead (SGLang: DeepSeek-V3 at batch 1 went from 7 to 31 tok/s). Everything a graph reads lives in
@@ -46,6 +49,8 @@ class _Graph:
         # The MTP layer's second input, h_i of the target (None for target graphs).
         self.prev_hidden = None if hidden_dtype is None else torch.zeros(bs, hidden, dtype=hidden_dtype, device=device)
         self.graph = torch.cuda.CUDAGraph()
+        self.chain: Optional[torch.cuda.CUDAGraph] = None  # greedy multi-step drafting (MTP graphs only)
+        self.chain_tokens: Optional[torch.Tensor] = None  # (bs, chain_steps) its output
         self.hidden: Optional[torch.Tensor] = None
         self.logits: Optional[torch.Tensor] = None
 
@@ -72,16 +77,38 @@ class _Graph:
             self.page_table[n:].fill_(self.scratch_page)
 
 
+def greedy_draft_chain(model, kv: torch.Tensor, batch: ForwardBatch, prev_hidden: torch.Tensor,
+                       steps: int) -> torch.Tensor:
+    """`steps` greedy MTP steps from a DECODE batch (token t at position p, MTP input prev_hidden (B, D)): step
+    j+1 takes step j's argmax at the next position, its KV slot looked up in the page table on the device, and
+    step j's MTP hidden. No host sync, so it runs inside a CUDA graph as well as eagerly. Returns (B, steps)."""
+    ps = batch.page_size
+    ids, pos, seq_lens, prev = batch.input_ids, batch.positions, batch.seq_lens, prev_hidden
+    tokens = []
+    for _ in range(steps):
+        slots = batch.page_table.gather(1, (pos // ps).unsqueeze(1)).squeeze(1) * ps + pos % ps  # (B,)
+        step = ForwardBatch(ForwardMode.DECODE, ids, pos, slots, ps, page_table=batch.page_table, seq_lens=seq_lens)
+        logits, prev = model.mtp_forward(step, prev, kv)
+        ids = logits.argmax(dim=-1)
+        tokens.append(ids)
+        pos, seq_lens = pos + 1, seq_lens + 1
+    return torch.stack(tokens, dim=1)
+
+
 class DecodeGraphRunner:
     """Captures a DECODE forward (hidden states and logits) for each bucket; run() pads a batch to its bucket.
 
     mtp=False: the target model, `model(batch) -> hidden`, `model.logits(hidden)`.
-    mtp=True: the NextN/MTP layer, `model.mtp_forward(batch, prev_hidden) -> (logits, hidden)`.
+    mtp=True: the NextN/MTP layer, `model.mtp_forward(batch, prev_hidden) -> (logits, hidden)`; with chain_steps > 0
+    also a greedy chain of that many steps for the buckets in chain_batch_sizes (see run_chain).
     """
 
     def __init__(self, model, pool, max_pages_per_seq: int, config: CudaGraphConfig,
-                 progress: Optional[Callable[[str], None]] = None, mtp: bool = False):
+                 progress: Optional[Callable[[str], None]] = None, mtp: bool = False, chain_steps: int = 0,
+                 chain_batch_sizes: tuple[int, ...] = ()):
+        assert mtp or not chain_steps, "draft chains are MTP graphs"
         self.model, self.pool, self.config, self.mtp = model, pool, config, mtp
+        self.chain_steps, self.chain_batch_sizes = chain_steps, set(chain_batch_sizes)
         self.max_pages = max_pages_per_seq
         self.graphs: dict[int, _Graph] = {}
         self.replays = 0  # run() calls since capture (tests and benchmarks check the graphs are used)
@@ -108,7 +135,19 @@ class DecodeGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(g.graph, pool=self.mempool):
             g.hidden, g.logits = self._forward(g, batch)
+        if self.chain_steps and bs in self.chain_batch_sizes:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._chain(g)
+            torch.cuda.current_stream().wait_stream(stream)
+            g.chain = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.chain, pool=self.mempool):
+                g.chain_tokens = self._chain(g)
         return g
+
+    def _chain(self, g: _Graph) -> torch.Tensor:
+        return greedy_draft_chain(self.model, self.pool.kv, g.batch(self.pool.page_size), g.prev_hidden,
+                                  self.chain_steps)
 
     def _forward(self, g: _Graph, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mtp:
@@ -121,13 +160,28 @@ class DecodeGraphRunner:
         return (batch.mode is ForwardMode.DECODE and batch.num_tokens <= max(self.graphs, default=0)
                 and batch.page_table.shape[1] <= self.max_pages)
 
+    def can_chain(self, batch: ForwardBatch) -> bool:
+        return self.chain_steps > 0 and self.can_run(batch) and self._bucket(batch).chain is not None
+
+    def run_chain(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts (B, chain_steps) for the batch's B rows (token t at position p, MTP input h = prev_hidden):
+        the argmax of each step fed to the next. A view of the graph's static output, valid until the next replay.
+        The rows' pages must cover positions p .. p + chain_steps - 1 (positions past them write the scratch page)."""
+        g = self._bucket(batch)
+        g.fill(batch, prev_hidden)
+        g.chain.replay()
+        self.replays += 1
+        return g.chain_tokens[: batch.num_tokens]
+
+    def _bucket(self, batch: ForwardBatch) -> _Graph:
+        return self.graphs[min(b for b in self.graphs if b >= batch.num_tokens)]
+
     def run(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden (B, D), logits (B, vocab)) for the batch's B rows: views of the graph's static outputs,
         valid until this runner's next replay. prev_hidden (B, D): the MTP layer's input (mtp runners only)."""
         assert (prev_hidden is not None) == self.mtp, "prev_hidden is the MTP graphs' input, and theirs only"
-        bs = min(b for b in self.graphs if b >= batch.num_tokens)
-        g = self.graphs[bs]
+        g = self._bucket(batch)
         g.fill(batch, prev_hidden)
         g.graph.replay()
         self.replays += 1

@@ -115,7 +115,8 @@ class LLMEngine:
         graph_config = dataclasses.replace(graph_config, max_bs=graph_config.max_bs * width,
                                            batch_sizes=tuple(sorted(set(base) | {b * width for b in base})))
         return (DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress),
-                DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress, mtp=True))
+                DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress, mtp=True,
+                                  chain_steps=spec.num_steps - 1, chain_batch_sizes=tuple(base)))
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,

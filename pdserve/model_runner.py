@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pdserve.cuda_graph import DecodeGraphRunner
+from pdserve.cuda_graph import DecodeGraphRunner, greedy_draft_chain
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kv_cache import LatentKVPool
 from pdserve.model import DeepseekV3
@@ -113,18 +113,29 @@ class ModelRunner:
             return logits.clone(), h.clone()  # draft states outlive the next replay
         return self.model.mtp_forward(batch, prev_hidden, self.pool.kv)
 
+    def mtp_draft_chain(self, rows: list[TokenRow], prev_hidden: torch.Tensor, steps: int) -> list[list[int]]:
+        """Greedy drafts (rows, steps) chained through the MTP layer from `rows` (d_1 at position n-1) with
+        prev_hidden (rows, D): one captured graph replay when one fits, else the same ops eagerly."""
+        batch = self.rows_batch(rows)
+        g = self.mtp_graphs
+        if g is not None and g.chain_steps == steps and g.can_chain(batch):
+            return g.run_chain(batch, prev_hidden).tolist()
+        return greedy_draft_chain(self.model, self.pool.kv, batch, prev_hidden, steps).tolist()
+
     def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
-        ps = self.pool.page_size
-        slots = [r.request.pages[r.position // ps] * ps + r.position % ps for r in rows]
-        return ForwardBatch(
-            ForwardMode.DECODE,
-            input_ids=torch.tensor([r.token for r in rows], dtype=torch.long, device=self.device),
-            positions=torch.tensor([r.position for r in rows], dtype=torch.long, device=self.device),
-            out_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
-            page_size=ps,
-            page_table=self.pool.page_table_tensor([r.request.pages for r in rows]),
-            seq_lens=torch.tensor([r.position + 1 for r in rows], dtype=torch.long, device=self.device),
-        )
+        """A DECODE batch of token rows. Built on the host and moved in ONE host-to-device copy: at small batch
+        a decode step is launch-bound, and every separate copy is a synchronous round trip."""
+        ps, n = self.pool.page_size, len(rows)
+        width = max((len(r.request.pages) for r in rows), default=0)
+        flat = [r.token for r in rows] + [r.position for r in rows]
+        flat += [r.request.pages[r.position // ps] * ps + r.position % ps for r in rows]  # the slot each row writes
+        flat += [r.position + 1 for r in rows]  # seq_lens: the row attends to positions 0..position
+        for r in rows:  # page table (n, width), short rows padded with page 0 (never read past seq_lens)
+            flat += r.request.pages
+            flat += [0] * (width - len(r.request.pages))
+        buf = torch.tensor(flat, dtype=torch.long).to(self.device)
+        return ForwardBatch(ForwardMode.DECODE, input_ids=buf[:n], positions=buf[n:2 * n], out_slots=buf[2 * n:3 * n],
+                            page_size=ps, page_table=buf[4 * n:].view(n, width), seq_lens=buf[3 * n:4 * n])
 
     def extend_batch(self, chunks: list[PrefillChunk], shift: int = 0) -> tuple[ForwardBatch, list[int]]:
         """Returns the batch and, per chunk, the row index of its last token. shift=1 feeds each position the
@@ -148,14 +159,5 @@ class ModelRunner:
         return batch, [end - 1 for end in qo_indptr[1:]]
 
     def decode_batch(self, reqs: list[Request]) -> ForwardBatch:
-        lengths = [r.num_tokens for r in reqs]  # the new token's KV is written first, then attended to
-        return ForwardBatch(
-            ForwardMode.DECODE,
-            input_ids=torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.long, device=self.device),
-            positions=torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=self.device),
-            out_slots=torch.cat([self.pool.slots_for(r.pages, n - 1, n) for r, n in zip(reqs, lengths)]).to(
-                self.device),
-            page_size=self.pool.page_size,
-            page_table=self.pool.page_table_tensor([r.pages for r in reqs]).to(self.device),
-            seq_lens=torch.tensor(lengths, dtype=torch.long, device=self.device),
-        )
+        """Each request's last token at its last position (its KV is written first, then attended to)."""
+        return self.rows_batch([TokenRow(r, r.num_tokens - 1, r.all_token_ids[-1]) for r in reqs])

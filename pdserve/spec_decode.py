@@ -235,6 +235,8 @@ class NextNSpeculator:
         active = [i for i in range(len(rows)) if num[i] > 0]
         step_logits = {i: states[i].step1_logits for i in active}
         step_hidden = {i: states[i].step1_hidden for i in active}
+        if self._draft_chain(rows, active, num, step_logits, step_hidden, drafts):
+            return drafts, probs
         for j in range(1, max(num, default=0) + 1):
             active = [i for i in active if num[i] >= j]
             if j > 1:  # MTP at position n-3+j on (d_{j-1}, its own hidden of step j-1)
@@ -255,6 +257,20 @@ class NextNSpeculator:
                     drafts[i].append(int(torch.multinomial(q, 1, generator=req.generator)))
                     probs[i].append(q)
         return drafts, probs
+
+    def _draft_chain(self, rows: list[SpecDecode], active: list[int], num: list[int], step_logits: dict,
+                     step_hidden: dict, drafts: list[list[int]]) -> bool:
+        """Greedy rows that all draft k tokens: d_1 from step 1, then d_2..d_k chained on the device (one captured
+        graph replay on CUDA; the same MTP steps and argmaxes as stepping). False: not applicable."""
+        k = self.config.num_steps
+        if k < 2 or not active or any(num[i] != k or not rows[i].request.params.is_greedy for i in active):
+            return False
+        first = torch.stack([step_logits[i] for i in active]).argmax(dim=-1).tolist()
+        chain_rows = [TokenRow(rows[i].request, rows[i].request.num_tokens - 1, first[a]) for a, i in enumerate(active)]
+        rest = self.runner.mtp_draft_chain(chain_rows, torch.stack([step_hidden[i] for i in active]), k - 1)
+        for a, i in enumerate(active):
+            drafts[i] = [first[a], *rest[a]]
+        return True
 
     def _verify(self, rows: list[SpecDecode], drafts: list[list[int]],
                 draft_probs: list[list[torch.Tensor]]) -> list[Verified]:

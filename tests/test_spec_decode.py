@@ -97,7 +97,20 @@ def oracle_drafts(engine, sequences: dict[tuple[int, ...], list[int]], miss_ever
                 logits[i, tok] = 50.0
         return logits, hidden
 
+    real_chain = engine.runner.mtp_draft_chain
+
+    def mtp_draft_chain(rows, prev_hidden, steps):  # the chained (greedy) drafting: step j at position p + j
+        drafts = real_chain(rows, prev_hidden, steps)
+        for i, row in enumerate(rows):
+            seq = sequences.get(tuple(row.request.prompt_ids))
+            for j in range(steps):
+                target = row.position + 2 + j
+                if seq is not None and target < len(seq):
+                    drafts[i][j] = seq[target] if target % miss_every else (seq[target] + 1) % vocab
+        return drafts
+
     engine.runner.mtp_rows = mtp_rows
+    engine.runner.mtp_draft_chain = mtp_draft_chain
 
 
 def run_checking_pages(engine, prompts, params):
@@ -163,6 +176,24 @@ def test_trained_model_greedy_equals_plain_decoding(trained_model_dir, k):
     print(f"trained model, k={k}: mean accept length {rate:.2f}")
     assert rate > 1.5  # measured 1.73 at k=1 and 2.04 at k=3 on these prompts (an untrained head stays near 1)
     assert_idle(engine)
+
+
+def test_chained_drafts_equal_stepped_drafts(trained_model_dir):
+    """Greedy drafting chains the MTP steps on the device (one graph on CUDA); it must draft exactly what stepping
+    one MTP forward at a time does: same outputs, same acceptance counts."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    chained = make_engine(trained_model_dir, k=3, page_size=16)
+    calls = []
+    real = chained.runner.mtp_draft_chain
+    chained.runner.mtp_draft_chain = lambda *a: calls.append(1) or real(*a)
+    stepped = make_engine(trained_model_dir, k=3, page_size=16)
+    stepped.speculator._draft_chain = lambda *a: False
+    a = [o.output_ids for o in chained.generate(CODE_PROMPTS, params)]
+    b = [o.output_ids for o in stepped.generate(CODE_PROMPTS, params)]
+    assert calls, "the chained path was not taken"
+    assert a == b
+    assert (chained.speculator.num_rows, chained.speculator.num_emitted) == (stepped.speculator.num_rows,
+                                                                           stepped.speculator.num_emitted)
 
 
 @pytest.mark.parametrize("k", [2, 4])
