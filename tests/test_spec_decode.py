@@ -68,7 +68,9 @@ def make_mtp_friendly_model(src, dst, scale: float = 200.0) -> str:
 
 def make_engine(model_dir, k=None, page_size=4, num_pages=256, budget=2048, prefix_cache=True):
     spec = SpeculativeConfig("NEXTN", k) if k else SpeculativeConfig()
-    return LLMEngine(EngineConfig(str(model_dir), cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+    # fp32 always: the trained demo checkpoint is bf16, and bf16 rounding differs with the batch's shape.
+    return LLMEngine(EngineConfig(str(model_dir), dtype="float32",
+                                  cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=budget,
                                                             enable_prefix_cache=prefix_cache),
                                   speculative=spec))
@@ -174,7 +176,8 @@ def test_trained_model_greedy_equals_plain_decoding(trained_model_dir, k):
     assert [o.output_ids for o in outs] == ref
     rate = engine.speculator.mean_accept_length
     print(f"trained model, k={k}: mean accept length {rate:.2f}")
-    assert rate > 1.5  # measured 1.73 at k=1 and 2.04 at k=3 on these prompts (an untrained head stays near 1)
+    # Measured on these prompts: 1.55 at k=1, 1.98 at k=3; a head that learned nothing stays near 1.0.
+    assert rate > {1: 1.4, 3: 1.7}[k]
     assert_idle(engine)
 
 

@@ -33,7 +33,7 @@ def friendly_dir(request, tiny_v3_dir, trained_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_stack(friendly_dir, tmp_path_factory):
-    stack = start_stack(friendly_dir, tmp_path_factory.mktemp("logs-spec"),
+    stack = start_stack(friendly_dir, tmp_path_factory.mktemp("logs-spec"), engine_args=["--dtype", "float32"],
                         decode_args=["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"])
     yield stack
     stack.stop()
@@ -48,7 +48,7 @@ def metric(text: str, name: str) -> float:
 
 
 def test_pd_speculative_greedy_equals_single_process(friendly_dir, spec_stack):
-    engine = LLMEngine(EngineConfig(str(friendly_dir), cache=CacheConfig(page_size=4, num_pages=512)))
+    engine = LLMEngine(EngineConfig(str(friendly_dir), dtype="float32", cache=CacheConfig(page_size=4, num_pages=512)))
     want = [o.output_ids for o in engine.generate(PROMPTS, GREEDY)]
     address = spec_stack.router.address
     for prompt, ids in zip(PROMPTS, want):
