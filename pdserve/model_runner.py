@@ -95,9 +95,13 @@ class ModelRunner:
         return logits
 
     # ---- arbitrary token rows (speculative decoding) -------------------------------------------------------------
-    def target_rows(self, rows: list[TokenRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target model over token rows; returns (hidden (rows, D) before the final norm, logits fp32)."""
+    def target_rows(self, rows: list[TokenRow], patch: Optional[Callable[[ForwardBatch], None]] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target model over token rows; returns (hidden (rows, D) before the final norm, logits fp32).
+        patch(batch), when given, edits the batch's device tensors first (tokens that only exist on the device)."""
         batch = self.rows_batch(rows)
+        if patch is not None:
+            patch(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             h, logits = self.graphs.run(batch)
             return h.clone(), logits.clone()  # the speculator keeps them across later replays
@@ -113,18 +117,21 @@ class ModelRunner:
             return logits.clone(), h.clone()  # draft states outlive the next replay
         return self.model.mtp_forward(batch, prev_hidden, self.pool.kv)
 
-    def mtp_draft_chain(self, rows: list[TokenRow], prev_hidden: torch.Tensor, steps: int) -> list[list[int]]:
-        """Greedy drafts (rows, steps) chained through the MTP layer from `rows` (d_1 at position n-1) with
-        prev_hidden (rows, D): one captured graph replay when one fits, else the same ops eagerly."""
+    def mtp_draft_chain(self, rows: list[TokenRow], prev_hidden: torch.Tensor, steps: int,
+                        first: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts (rows, steps) on the device, chained through the MTP layer from `rows` (at position n-1)
+        whose tokens are `first` (rows,) on the device, with prev_hidden (rows, D): one captured graph replay when
+        one fits, else the same ops eagerly."""
         batch = self.rows_batch(rows)
+        batch.input_ids.copy_(first)
         g = self.mtp_graphs
         if g is not None and g.chain_steps == steps and g.can_chain(batch):
-            return g.run_chain(batch, prev_hidden).tolist()
-        return greedy_draft_chain(self.model, self.pool.kv, batch, prev_hidden, steps).tolist()
+            return g.run_chain(batch, prev_hidden).clone()  # the graph's output buffer is reused by its next replay
+        return greedy_draft_chain(self.model, self.pool.kv, batch, prev_hidden, steps)
 
     def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
-        """A DECODE batch of token rows. Built on the host and moved in ONE host-to-device copy: at small batch
-        a decode step is launch-bound, and every separate copy is a synchronous round trip."""
+        """A DECODE batch of token rows. Built on the host and moved in ONE host-to-device copy, asynchronous on
+        CUDA: at small batch a decode step is launch-bound, and a blocking copy would wait for all queued work."""
         ps, n = self.pool.page_size, len(rows)
         width = max((len(r.request.pages) for r in rows), default=0)
         flat = [r.token for r in rows] + [r.position for r in rows]
@@ -133,7 +140,9 @@ class ModelRunner:
         for r in rows:  # page table (n, width), short rows padded with page 0 (never read past seq_lens)
             flat += r.request.pages
             flat += [0] * (width - len(r.request.pages))
-        buf = torch.tensor(flat, dtype=torch.long).to(self.device)
+        buf = torch.tensor(flat, dtype=torch.long)
+        if self.device.type == "cuda":  # pinned + non-blocking: the host goes on while the GPU still works
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
         return ForwardBatch(ForwardMode.DECODE, input_ids=buf[:n], positions=buf[n:2 * n], out_slots=buf[2 * n:3 * n],
                             page_size=ps, page_table=buf[4 * n:].view(n, width), seq_lens=buf[3 * n:4 * n])
 

@@ -178,9 +178,14 @@ class NextNSpeculator:
     def propose_and_verify(self, rows: list[SpecDecode]) -> tuple[list[Verified], SpecRoundStats]:
         stats = SpecRoundStats()
         start = time.perf_counter()
-        drafts, draft_probs = self._draft(rows)
-        mid = time.perf_counter()
-        verified = self._verify(rows, drafts, draft_probs)
+        chained = self._draft_chain(rows)
+        if chained is not None:  # every row greedy with k drafts: tokens stay on the device until acceptance
+            mid = time.perf_counter()
+            verified, drafts = self._verify_chained(rows, chained)
+        else:
+            drafts, draft_probs = self._draft(rows)
+            mid = time.perf_counter()
+            verified = self._verify(rows, drafts, draft_probs)
         stats.verify_seconds = time.perf_counter() - mid
         stats.draft_seconds = mid - start
         for v, d in zip(verified, drafts):
@@ -215,28 +220,13 @@ class NextNSpeculator:
     # ---- stages -----------------------------------------------------------------------------------------------
     def _draft(self, rows: list[SpecDecode]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         """Per row: the draft tokens d_1..d_k and, for sampling rows, the distributions q_j they were drawn from."""
-        states: list[Optional[DraftState]] = []
-        for row in rows:
-            state = row.request.spec if row.num_drafts else None  # no state (PD without a hidden): no drafts
-            assert state is None or state.num_tokens == row.request.num_tokens, "stale draft state"
-            states.append(state)
-        # Step 1 where no earlier extend computed it (requests that arrived prefilled from another worker).
-        todo = [i for i, s in enumerate(states) if s is not None and s.step1_logits is None]
-        if todo:
-            reqs = [rows[i].request for i in todo]
-            logits, h = self.runner.mtp_rows([TokenRow(r, r.num_tokens - 2, r.all_token_ids[-1]) for r in reqs],
-                                             torch.stack([states[i].hidden for i in todo]))
-            for j, i in enumerate(todo):
-                states[i].step1_logits, states[i].step1_hidden = logits[j], h[j]
-
+        states = self._states(rows)
         num = [row.num_drafts if s is not None else 0 for row, s in zip(rows, states)]
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = [i for i in range(len(rows)) if num[i] > 0]
         step_logits = {i: states[i].step1_logits for i in active}
         step_hidden = {i: states[i].step1_hidden for i in active}
-        if self._draft_chain(rows, active, num, step_logits, step_hidden, drafts):
-            return drafts, probs
         for j in range(1, max(num, default=0) + 1):
             active = [i for i in active if num[i] >= j]
             if j > 1:  # MTP at position n-3+j on (d_{j-1}, its own hidden of step j-1)
@@ -258,19 +248,58 @@ class NextNSpeculator:
                     probs[i].append(q)
         return drafts, probs
 
-    def _draft_chain(self, rows: list[SpecDecode], active: list[int], num: list[int], step_logits: dict,
-                     step_hidden: dict, drafts: list[list[int]]) -> bool:
-        """Greedy rows that all draft k tokens: d_1 from step 1, then d_2..d_k chained on the device (one captured
-        graph replay on CUDA; the same MTP steps and argmaxes as stepping). False: not applicable."""
+    def _states(self, rows: list[SpecDecode]) -> list[Optional[DraftState]]:
+        """Each row's draft state (None: the row does not draft), with draft step 1 computed where no earlier
+        extend did (requests that arrived prefilled from another worker)."""
+        states: list[Optional[DraftState]] = []
+        for row in rows:
+            state = row.request.spec if row.num_drafts else None  # no state (PD without a hidden): no drafts
+            assert state is None or state.num_tokens == row.request.num_tokens, "stale draft state"
+            states.append(state)
+        todo = [i for i, s in enumerate(states) if s is not None and s.step1_logits is None]
+        if todo:
+            reqs = [rows[i].request for i in todo]
+            logits, h = self.runner.mtp_rows([TokenRow(r, r.num_tokens - 2, r.all_token_ids[-1]) for r in reqs],
+                                             torch.stack([states[i].hidden for i in todo]))
+            for j, i in enumerate(todo):
+                states[i].step1_logits, states[i].step1_hidden = logits[j], h[j]
+        return states
+
+    def _draft_chain(self, rows: list[SpecDecode]) -> Optional[torch.Tensor]:
+        """When every row is greedy and drafts k >= 2 tokens: d_1 = argmax of step 1, then d_2..d_k chained through
+        the MTP layer on the device (one captured graph on CUDA), with no host round trip. Returns the drafts
+        (rows, k) on the device, or None when the batch does not qualify (the caller drafts step by step)."""
         k = self.config.num_steps
-        if k < 2 or not active or any(num[i] != k or not rows[i].request.params.is_greedy for i in active):
-            return False
-        first = torch.stack([step_logits[i] for i in active]).argmax(dim=-1).tolist()
-        chain_rows = [TokenRow(rows[i].request, rows[i].request.num_tokens - 1, first[a]) for a, i in enumerate(active)]
-        rest = self.runner.mtp_draft_chain(chain_rows, torch.stack([step_hidden[i] for i in active]), k - 1)
-        for a, i in enumerate(active):
-            drafts[i] = [first[a], *rest[a]]
-        return True
+        if k < 2 or not rows or any(row.num_drafts != k or row.request.spec is None
+                                    or not row.request.params.is_greedy for row in rows):
+            return None
+        states = self._states(rows)
+        first = torch.stack([s.step1_logits for s in states]).argmax(dim=-1)  # (rows,) d_1, on the device
+        # Step 2 runs at position n-1 on d_1 (its token is written into the batch on the device).
+        chain_rows = [TokenRow(row.request, row.request.num_tokens - 1, 0) for row in rows]
+        rest = self.runner.mtp_draft_chain(chain_rows, torch.stack([s.step1_hidden for s in states]), k - 1, first)
+        return torch.cat([first.unsqueeze(1), rest], dim=1)
+
+    def _verify_chained(self, rows: list[SpecDecode], drafts_dev: torch.Tensor
+                        ) -> tuple[list[Verified], list[list[int]]]:
+        """_verify for device drafts (rows, k): the verification rows take them on the device, and the drafts and
+        the target's argmaxes come back to the host together, in the round's only device-to-host copy."""
+        b, k = drafts_dev.shape
+        vrows = [TokenRow(row.request, row.request.num_tokens - 1 + m, row.request.all_token_ids[-1] if m == 0 else 0)
+                 for row in rows for m in range(k + 1)]
+
+        def put_drafts(batch) -> None:  # rows [t_{n-1}, d_1..d_k] per request
+            batch.input_ids.view(b, k + 1)[:, 1:].copy_(drafts_dev)
+
+        hidden, logits = self.runner.target_rows(vrows, put_drafts)  # (b*(k+1), D), (b*(k+1), vocab)
+        host = torch.cat([drafts_dev.flatten(), logits.argmax(dim=-1)]).tolist()
+        drafts = [host[i * k:(i + 1) * k] for i in range(b)]
+        targets = host[b * k:]
+        out = []
+        for i, row in enumerate(rows):
+            tokens = greedy_accept(targets[i * (k + 1):(i + 1) * (k + 1)], drafts[i])
+            out.append(Verified(row, tokens, hidden[i * (k + 1): i * (k + 1) + len(tokens)]))
+        return out, drafts
 
     def _verify(self, rows: list[SpecDecode], drafts: list[list[int]],
                 draft_probs: list[list[torch.Tensor]]) -> list[Verified]:

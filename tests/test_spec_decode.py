@@ -101,14 +101,14 @@ def oracle_drafts(engine, sequences: dict[tuple[int, ...], list[int]], miss_ever
 
     real_chain = engine.runner.mtp_draft_chain
 
-    def mtp_draft_chain(rows, prev_hidden, steps):  # the chained (greedy) drafting: step j at position p + j
-        drafts = real_chain(rows, prev_hidden, steps)
+    def mtp_draft_chain(rows, prev_hidden, steps, first):  # the chained (greedy) drafting: step j at position p + j
+        drafts = real_chain(rows, prev_hidden, steps, first).clone()
         for i, row in enumerate(rows):
             seq = sequences.get(tuple(row.request.prompt_ids))
             for j in range(steps):
                 target = row.position + 2 + j
                 if seq is not None and target < len(seq):
-                    drafts[i][j] = seq[target] if target % miss_every else (seq[target] + 1) % vocab
+                    drafts[i, j] = seq[target] if target % miss_every else (seq[target] + 1) % vocab
         return drafts
 
     engine.runner.mtp_rows = mtp_rows
@@ -182,15 +182,15 @@ def test_trained_model_greedy_equals_plain_decoding(trained_model_dir, k):
 
 
 def test_chained_drafts_equal_stepped_drafts(trained_model_dir):
-    """Greedy drafting chains the MTP steps on the device (one graph on CUDA); it must draft exactly what stepping
-    one MTP forward at a time does: same outputs, same acceptance counts."""
+    """Greedy drafting chains the MTP steps on the device (one graph on CUDA) and verifies with the drafts left on
+    the device; it must draft exactly what stepping one MTP forward at a time does: same outputs and counts."""
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     chained = make_engine(trained_model_dir, k=3, page_size=16)
     calls = []
     real = chained.runner.mtp_draft_chain
     chained.runner.mtp_draft_chain = lambda *a: calls.append(1) or real(*a)
     stepped = make_engine(trained_model_dir, k=3, page_size=16)
-    stepped.speculator._draft_chain = lambda *a: False
+    stepped.speculator._draft_chain = lambda rows: None
     a = [o.output_ids for o in chained.generate(CODE_PROMPTS, params)]
     b = [o.output_ids for o in stepped.generate(CODE_PROMPTS, params)]
     assert calls, "the chained path was not taken"
