@@ -3,8 +3,10 @@ those pages, and continues them in its continuously batched decode loop (absorbe
 
 Request life on this side (each step runs on the engine thread):
   reserve() -> pages held, room registered with the receiver (waiting for KV)
-  KV layers arrive -> written into the pages;  aux arrives -> add_prefilled(): first token streamed, decoding
-  finish / abort / cancel / transfer failure -> pages freed (never leaked: every exit path goes through _release)
+  KV layers arrive -> written into the pages (by the transport itself for nccl/gloo);  aux arrives ->
+  add_prefilled(): first token streamed, decoding
+  finish / abort / cancel / transfer failure -> pages freed (never leaked: every exit path goes through _release;
+  an abort whose pages the transport is still writing waits in `cancelling` for the receiver's last callback)
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -46,6 +48,7 @@ class DecodeEngine:
         self.on_output, self.on_failed = on_output, on_failed
         self._rooms = itertools.count(1)
         self.pending: dict[int, PendingTransfer] = {}
+        self.cancelling: dict[int, PendingTransfer] = {}  # aborted; pages freed at the receiver's last callback
         self.room_of: dict[str, int] = {}  # request id -> room, for requests decoding here
 
     @property
@@ -77,17 +80,20 @@ class DecodeEngine:
         return t
 
     # ---- called (through the engine loop) by the receiver's callbacks -------------------------------------------
-    def kv_layer(self, room: int, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+    def kv_layer(self, room: int, layer: int, slots: torch.Tensor, values: Optional[torch.Tensor]) -> None:
+        """values None: the transport already wrote the layer into the pages (nccl, gloo)."""
         t = self.pending.get(room)
         if t is None:
             return  # aborted meanwhile
-        self.pool.kv[layer].index_copy_(0, slots.to(self.pool.kv.device), values.to(self.pool.kv.device,
-                                                                                     self.pool.kv.dtype))
+        if values is not None:
+            self.pool.kv[layer].index_copy_(0, slots.to(self.pool.kv.device), values.to(self.pool.kv.device,
+                                                                                         self.pool.kv.dtype))
         t.layers_received += 1
 
     def kv_done(self, room: int, aux: dict) -> None:
         t = self.pending.pop(room, None)
         if t is None:
+            self._cancelled(room)
             return
         assert t.layers_received == self.num_layers_expected, "receiver reported done before every layer"
         first, cached = aux.get("first_token_id"), aux.get("cached_tokens", 0)
@@ -112,6 +118,7 @@ class DecodeEngine:
     def kv_failed(self, room: int, error: Exception) -> None:
         t = self.pending.pop(room, None)
         if t is None:
+            self._cancelled(room)
             return
         self._release(t)
         self.on_failed(room, error)
@@ -127,8 +134,11 @@ class DecodeEngine:
             return False
         t = self.pending.pop(room, None)
         if t is not None:  # still waiting for its KV
-            self.receiver.cancel(room)
-            self._release(t)
+            if self.receiver.cancel(room):
+                self._release(t)
+            else:  # the receiver owes this room a callback (maybe still writing its pages): free them then
+                self.cancelling[room] = t
+                self.room_of.pop(request_id, None)
         else:
             self.core.abort(request_id)
             self.room_of.pop(request_id, None)
@@ -139,6 +149,13 @@ class DecodeEngine:
         t.pages = []
         self.room_of.pop(t.request_id, None)
 
+    def _cancelled(self, room: int) -> None:
+        """The receiver's last word on a room aborted here: its pages are no longer written, free them."""
+        t = self.cancelling.pop(room, None)
+        if t is not None:
+            self.pool.allocator.decref(t.pages)
+            t.pages = []
+
     def _emit(self, out: RequestOutput) -> None:
         room = self.room_of[out.request_id]
         if out.finished:
@@ -147,4 +164,4 @@ class DecodeEngine:
 
     @property
     def num_transferring(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + len(self.cancelling)

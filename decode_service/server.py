@@ -17,7 +17,7 @@ from pdserve.engine_loop import EngineLoop
 from pdserve.grpc_shell import (
     Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
 )
-from pdserve.kv_transfer import KVTransferError, TRANSPORTS
+from pdserve.kv_transfer import KVTransferError, TRANSPORTS, check_transport_device
 from pdserve.metrics import Metrics
 from pdserve.rpc_convert import finish_to_proto, layout_to_proto, sampling_from_proto, usage_to_proto
 from pdserve.v1 import generate_pb2 as gen_pb
@@ -42,6 +42,9 @@ class DecodeWorkerConfig:
     max_queued_requests: int = 256  # reserved requests waiting for their KV; beyond: RESOURCE_EXHAUSTED at once
     drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     security: SecurityConfig = SecurityConfig()
+
+    def __post_init__(self) -> None:
+        check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
 
 
 @dataclass
@@ -71,7 +74,8 @@ class DecodeWorker:
             on_done=lambda room, aux: self.loop.submit(lambda: self._kv_done(room, aux)),
             on_failed=lambda room, err: self.loop.submit(lambda: self.engine.kv_failed(room, err)),
             timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
-            max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size)
+            max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size,
+            kv_buffer=self.core.pool.kv)  # nccl/gloo receive straight into the pool's pages; tcp ignores it
         self.engine = DecodeEngine(self.core, self.receiver, self.layout.num_kv_layers,
                                    on_output=self._output, on_failed=self._failed,
                                    max_queued=config.max_queued_requests)

@@ -7,7 +7,9 @@ forward finishes (`send_layer`), then the aux record (`finish`), and learns the 
 
 Every failure surfaces as a `KVTransferError` with a `kind`, on both sides, instead of a hang: an incompatible
 layout is refused at the handshake, a dead peer fails its rooms promptly, and every room has a deadline.
-Transports (TCP today, NCCL/RDMA later) register a `Transport(sender, receiver)` pair in `TRANSPORTS`.
+Transports register a `Transport(sender, receiver, devices)` entry in `TRANSPORTS`: "tcp" (rows through sockets),
+"nccl" and "gloo" (rows through a torch.distributed process group per prefill/decode pair, straight into the decode
+pool's pages; see `collective.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import enum
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -227,12 +229,16 @@ class SendHandle(ABC):
 
 
 class KVSender(ABC):
-    """Prefill side. Constructed as `cls(layout, **options)`; thread-safe."""
+    """Prefill side. Constructed as `cls(layout, **options)`; thread-safe. Every transport takes the options
+    `timeout_s`, `token` and `device` (where the rows to send live)."""
 
     @abstractmethod
-    def begin(self, endpoint: str, room: int, num_layers: int) -> SendHandle:
+    def begin(self, endpoint: str, room: int, num_layers: int,
+              dst_pages: Sequence[int] | None = None) -> SendHandle:
         """Open `room` towards the decode endpoint (connecting and handshaking on first use, which may block for
-        the connect timeout). Raises KVTransferError "unreachable" or "incompatible"."""
+        the connect timeout). Raises KVTransferError "unreachable" or "incompatible". `dst_pages`: the pages the
+        decode worker reserved (its Reserve answer); transports that write straight into them split each layer
+        by their contiguous runs and need them, TCP ignores them."""
 
     @abstractmethod
     def close(self) -> None:
@@ -245,18 +251,24 @@ class KVSender(ABC):
         self.close()
 
 
-OnLayer = Callable[[int, int, torch.Tensor, torch.Tensor], None]  # (room, layer, dst_slots, values)
+# (room, layer, dst_slots, values): values (num_tokens, kv_dim) for the caller to write at dst_slots, or None when
+# the transport already wrote them there (into the receiver's kv_buffer).
+OnLayer = Callable[[int, int, torch.Tensor, Optional[torch.Tensor]], None]
 OnDone = Callable[[int, dict[str, Any]], None]  # (room, aux)
 OnFailed = Callable[[int, KVTransferError], None]  # (room, error)
 
 
 class KVReceiver(ABC):
-    """Decode side. Constructed as `cls(layout, on_layer=..., on_done=..., on_failed=..., **options)`.
+    """Decode side. Constructed as `cls(layout, on_layer=..., on_done=..., on_failed=..., **options)`; every
+    transport takes the options `host`, `port`, `timeout_s`, `token`, `max_room_tokens` and `kv_buffer` (the decode
+    pool `(num_layers, num_slots, kv_dim)`: the collective transports receive straight into its pages and call
+    on_layer with `values=None`; TCP ignores it and hands the rows to on_layer).
 
     Per room the callbacks arrive in this order and never overlap: `on_layer` once per layer (layer order as
-    sent), then exactly one of `on_done` / `on_failed`, and nothing after that or after `cancel()` returned True.
-    They run on the transport's threads with its lock held, so they must be cheap and must not block (enqueue
-    for the engine loop); they may call the receiver's methods.
+    sent; the collective transports call it once the layer's receives completed), then exactly one of `on_done` /
+    `on_failed`, and nothing after that or after `cancel()` returned True. They run on the transport's threads with
+    its lock held, so they must be cheap and must not block (enqueue for the engine loop); they may call the
+    receiver's methods.
     """
 
     @property
@@ -272,7 +284,10 @@ class KVReceiver(ABC):
     @abstractmethod
     def cancel(self, room: int) -> bool:
         """Decode-side abort. True: the room was pending and is dropped, no callback follows and the caller
-        frees its pages. False: the room already finished (its on_done/on_failed was delivered) or is unknown."""
+        frees its pages. False: the room already finished (its on_done/on_failed was delivered) or is unknown, or
+        (transports writing into kv_buffer) receives are still landing in its pages: then it is dropped too and
+        on_failed (kind "aborted") follows once nothing writes there any more. After False, the caller frees the
+        pages when that callback arrives."""
 
     @property
     @abstractmethod
@@ -293,6 +308,20 @@ class KVReceiver(ABC):
 class Transport(NamedTuple):
     sender: type[KVSender]
     receiver: type[KVReceiver]
+    devices: tuple[str, ...] = ("cpu", "cuda")  # device types whose KV pools it can move
 
 
 TRANSPORTS: Registry[Transport] = Registry("kv transport")
+
+
+def check_transport_device(name: str, device: torch.device | str) -> None:
+    """ValueError naming the fix when transport `name` cannot move KV rows that live on `device` (checked when a
+    worker is configured, before its model loads)."""
+    kind = torch.device(device).type
+    supported = TRANSPORTS.get(name).devices
+    if kind in supported:
+        return
+    others = sorted((n for n in TRANSPORTS.names() if kind in TRANSPORTS.get(n).devices), key=lambda n: (n != "tcp", n))
+    need = " or ".join("CUDA" if d == "cuda" else d.upper() for d in supported)
+    raise ValueError(f"--kv-transport {name} needs a {need} device; this worker runs on {kind}: use "
+                     f"{' or '.join(others)}")

@@ -66,17 +66,23 @@ class _Room:
 class TcpKVReceiver(KVReceiver):
     """See `KVReceiver`. `endpoint` advertises `advertise_host` (default: `host`) and the port actually bound."""
 
+    transport = "tcp"  # a sender announcing another transport in HELLO is refused as "incompatible"
+    peer_conn_cls = _PeerConn
+
     def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, *, on_layer: OnLayer,
                  on_done: OnDone, on_failed: OnFailed, timeout_s: float = 300.0, handshake_timeout_s: float = 10.0,
-                 advertise_host: str | None = None, token: str | None = None, max_room_tokens: int | None = None):
+                 advertise_host: str | None = None, token: str | None = None, max_room_tokens: int | None = None,
+                 kv_buffer: torch.Tensor | None = None):
         """token: senders must present it in HELLO (None: no check). max_room_tokens: the most tokens a room can
-        have (the KV pool's capacity); bounds the payload a peer may announce."""
+        have (the KV pool's capacity); bounds the payload a peer may announce. kv_buffer: the decode pool, which
+        TCP does not touch (its rows go through on_layer); the collective transports receive into it."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         self.layout, self.timeout_s, self.handshake_timeout_s = layout, timeout_s, handshake_timeout_s
         self._token = token
+        self._max_room_tokens = max_room_tokens or _DEFAULT_MAX_ROOM_TOKENS
         row_bytes = layout.kv_dim * layout.torch_dtype.itemsize
-        self._max_payload = max(_MAX_AUX_PAYLOAD, (max_room_tokens or _DEFAULT_MAX_ROOM_TOKENS) * row_bytes)
+        self._max_payload = max(_MAX_AUX_PAYLOAD, self._max_room_tokens * row_bytes)
         self._on_layer, self._on_done, self._on_failed = on_layer, on_done, on_failed
         # NOTE: re-entrant because callbacks run under it and may call cancel()/expect().
         self._lock = threading.RLock()
@@ -121,8 +127,14 @@ class TcpKVReceiver(KVReceiver):
                 raise RuntimeError("TcpKVReceiver is closed")
             if room in self._rooms:
                 raise ValueError(f"room {room} is already expected")
+            r = self._new_room(room, num_tokens, dst_pages, slots, num_layers, time.monotonic() + self.timeout_s)
             self._dropped.pop(room, None)
-            self._rooms[room] = _Room(room, num_tokens, slots, num_layers, time.monotonic() + self.timeout_s)
+            self._rooms[room] = r
+
+    def _new_room(self, room: int, num_tokens: int, dst_pages: Sequence[int], slots: torch.Tensor, num_layers: int,
+                  deadline: float) -> _Room:
+        """Called by expect() with the lock held; may raise ValueError."""
+        return _Room(room, num_tokens, slots, num_layers, deadline)
 
     def cancel(self, room: int) -> bool:
         with self._lock:
@@ -165,6 +177,25 @@ class TcpKVReceiver(KVReceiver):
         if callback:
             self._call(self._on_failed, r.room, KVTransferError(kind, message))
 
+    def _complete_if_ready_locked(self, r: _Room) -> None:
+        """Every layer landed and the aux record is in: confirm to the sender, then on_done."""
+        if len(r.layers) != r.num_layers or r.aux is None:
+            return
+        r.status.advance(TransferState.DONE)
+        del self._rooms[r.room]
+        self._remember_locked(r.room, "protocol", f"room {r.room} already completed")
+        self._outbox.put((r.conn, {"kind": ROOM_DONE, "room": r.room}))
+        self._call(self._on_done, r.room, r.aux)
+
+    def _refuse_unknown_locked(self, conn: _PeerConn, kind: str, room: int) -> None:
+        """A frame for a room that is not (or no longer) expected: tell the sender why, unless it is an ABORT."""
+        if kind == ABORT:
+            return  # an ABORT for a finished room needs no answer
+        err_kind, message = self._dropped.get(room, (
+            "protocol", f"room {room} is not expected by this decode worker (expect() must be called "
+                        f"before the room is handed to prefill)"))
+        self._outbox.put((conn, {"kind": ROOM_FAILED, "room": room, "error_kind": err_kind, "message": message}))
+
     def _remember_locked(self, room: int, kind: str, message: str) -> None:
         self._dropped[room] = (kind, message)
         while len(self._dropped) > _MAX_REMEMBERED:
@@ -188,12 +219,7 @@ class TcpKVReceiver(KVReceiver):
         with self._lock:
             r = self._rooms.get(room)
             if r is None:
-                if kind != ABORT:  # an ABORT for a finished room needs no answer
-                    err_kind, message = self._dropped.get(room, (
-                        "protocol", f"room {room} is not expected by this decode worker (expect() must be called "
-                                    f"before the room is handed to prefill)"))
-                    self._outbox.put((conn, {"kind": ROOM_FAILED, "room": room, "error_kind": err_kind,
-                                             "message": message}))
+                self._refuse_unknown_locked(conn, kind, room)
                 return
             if r.conn is not None and r.conn is not conn:
                 # Only the connection that started a room may write into it: one peer cannot touch another's rows.
@@ -226,12 +252,7 @@ class TcpKVReceiver(KVReceiver):
                     return
             else:
                 r.aux = aux
-            if len(r.layers) == r.num_layers and r.aux is not None:
-                r.status.advance(TransferState.DONE)
-                del self._rooms[room]
-                self._remember_locked(room, "protocol", f"room {room} already completed")
-                self._outbox.put((conn, {"kind": ROOM_DONE, "room": room}))
-                self._call(self._on_done, room, r.aux)
+            self._complete_if_ready_locked(r)
 
     def _parse_layer(self, r: _Room, header: dict[str, Any], payload: torch.Tensor) -> tuple[int, torch.Tensor]:
         layer, n = header["layer"], header["num_tokens"]
@@ -283,7 +304,7 @@ class TcpKVReceiver(KVReceiver):
                 logger.exception("KV receiver %s: accept failed", self._endpoint)
                 time.sleep(0.1)
                 continue
-            conn = _PeerConn(sock, f"{addr[0]}:{addr[1]}")
+            conn = self.peer_conn_cls(sock, f"{addr[0]}:{addr[1]}")
             t = threading.Thread(target=self._serve, args=(conn,), name=f"kv-recv-{conn.addr}", daemon=True)
             with self._lock:
                 if self._stop.is_set():
@@ -317,7 +338,19 @@ class TcpKVReceiver(KVReceiver):
                 self._conns.pop(conn, None)
                 for r in [r for r in self._rooms.values() if r.conn is conn]:
                     self._drop_locked(r, kind, f"room {r.room}: {why} after {r.progress()}", notify=False)
+            self._disconnected(conn)
             conn.sock.close()
+
+    def _paired(self, conn: _PeerConn) -> bool:
+        """After HELLO_OK went out: set up whatever else the transport needs with this sender; False drops it."""
+        return True
+
+    def _hello_ok(self, conn: _PeerConn) -> dict[str, Any]:
+        """Extra fields of this transport's HELLO_OK."""
+        return {}
+
+    def _disconnected(self, conn: _PeerConn) -> None:
+        """The connection ended and its rooms were failed; release what `_paired` set up."""
 
     def _handshake(self, conn: _PeerConn) -> bool:
         frame = recv_frame(conn.sock, max_payload=0)
@@ -333,15 +366,21 @@ class TcpKVReceiver(KVReceiver):
         try:
             if header["kind"] != HELLO:
                 raise ValueError(f"expected HELLO, got {header['kind']}")
-            problem = KVLayout.from_dict(header["layout"]).mismatch(self.layout, ("prefill", "decode"))
+            transport = header.get("transport", "tcp")  # senders older than the transport field spoke TCP
+            if transport != self.transport:
+                problem = (f"KV transport mismatch: prefill {transport!r} vs decode {self.transport!r} (give both "
+                           f"workers the same --kv-transport)")
+            else:
+                problem = KVLayout.from_dict(header["layout"]).mismatch(self.layout, ("prefill", "decode"))
+                problem = problem and f"KV layout mismatch: {problem}"
         except (ValueError, KeyError, TypeError) as e:
             problem = f"bad HELLO: {e}"
         if problem:
             logger.warning("KV receiver %s refused prefill %s: %s", self._endpoint, conn.addr, problem)
-            conn.send({"kind": HELLO_ERROR, "message": f"KV layout mismatch: {problem}"})
+            conn.send({"kind": HELLO_ERROR, "message": problem})
             return False
-        conn.send({"kind": HELLO_OK})
-        return True
+        conn.send({"kind": HELLO_OK, **self._hello_ok(conn)})
+        return self._paired(conn)
 
     def _timer_loop(self, tick: float) -> None:
         while not self._stop.wait(tick):
@@ -350,6 +389,10 @@ class TcpKVReceiver(KVReceiver):
                 for r in [r for r in self._rooms.values() if now >= r.deadline]:
                     self._drop_locked(r, "timeout", f"room {r.room}: the KV transfer did not complete within "
                                                     f"{self.timeout_s:g} s of expect() ({r.progress()})")
+                self._on_tick_locked(now)
+
+    def _on_tick_locked(self, now: float) -> None:
+        """Every timer tick, with the lock held, after the deadlines were applied."""
 
     def _notify_loop(self) -> None:
         while (item := self._outbox.get()) is not None:

@@ -11,7 +11,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -55,14 +55,17 @@ class _Connection:
             if self.handles.get(handle.room) is handle:
                 del self.handles[handle.room]
 
-    def put(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes) -> None:
-        if self.checksum and kind in (LAYER, AUX):
+    def put(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes,
+            post: Callable[[], None] | None = None) -> None:
+        """Queue one frame. `post`, if given, runs on the writer thread right after the frame is written: the
+        collective transports post a layer's sends there, so announcements and sends leave in one order."""
+        if self.checksum and kind in (LAYER, AUX) and payload:
             # NOTE: on the caller's thread, over rows already copied to host memory (a few GB/s, cheap next to
             # the forward pass that produced them).
             header = {**header, "crc32": payload_crc32(*payload)}
         frame = encode_frame({"kind": kind, "room": handle.room, **header}, *payload)
         handle._bytes += frame_nbytes(frame)
-        self.queue.put((handle, kind, frame))
+        self.queue.put((handle, kind, frame, post))
 
     def break_(self, error: KVTransferError) -> None:
         """Fail every room on this connection with `error` and stop both threads (idempotent)."""
@@ -80,7 +83,7 @@ class _Connection:
 
     def _write_loop(self) -> None:
         while (item := self.queue.get()) is not None:
-            handle, kind, frame = item
+            handle, kind, frame, post = item
             if kind != ABORT and handle.status.state == TransferState.FAILED:
                 continue  # the room is dead: drop its remaining frames so the link is free for the others
             try:
@@ -88,6 +91,14 @@ class _Connection:
             except OSError as e:
                 self.break_(KVTransferError("peer_failed", f"sending to decode KV endpoint {self.endpoint} "
                                                            f"failed: {e}"))
+                return
+            if post is None:
+                continue
+            try:
+                post()
+            except Exception as e:  # the data plane refused the op: its op stream cannot be trusted any more
+                self.break_(KVTransferError("peer_failed", f"sending room {handle.room}'s rows to decode KV endpoint "
+                                                           f"{self.endpoint} failed: {e}"))
                 return
 
     def _read_loop(self) -> None:
@@ -133,6 +144,15 @@ class TcpSendHandle(SendHandle):
         self._deadline = self._t0 + timeout_s
 
     def send_layer(self, layer: int, values: torch.Tensor) -> None:
+        self._check_layer(layer, values)
+        self._num_tokens = values.shape[0]
+        self._layers.add(layer)
+        if self.status.state == TransferState.FAILED:
+            return
+        self._queue_layer(layer, values)
+
+    def _check_layer(self, layer: int, values: torch.Tensor) -> None:
+        """Argument mistakes raise ValueError before anything is queued."""
         if self._finished:
             raise ValueError(f"room {self.room}: send_layer({layer}) after finish()")
         if not 0 <= layer < self.num_layers or layer in self._layers:
@@ -145,10 +165,8 @@ class TcpSendHandle(SendHandle):
         if self._num_tokens is not None and values.shape[0] != self._num_tokens:
             raise ValueError(f"room {self.room}: layer {layer} has {values.shape[0]} tokens, earlier layers "
                              f"{self._num_tokens}")
-        self._num_tokens = values.shape[0]
-        self._layers.add(layer)
-        if self.status.state == TransferState.FAILED:
-            return
+
+    def _queue_layer(self, layer: int, values: torch.Tensor) -> None:
         # NOTE: copied here, so the caller may overwrite or free the source pages as soon as this returns.
         rows = values.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)  # (num_tokens, kv_dim)
         self._conn.put(self, LAYER, {"layer": layer, "num_tokens": self._num_tokens}, tensor_bytes(rows))
@@ -220,29 +238,38 @@ class TcpSendHandle(SendHandle):
 class TcpKVSender(KVSender):
     """See `KVSender`. Connections are made on first use per endpoint, reused, and remade once broken.
     `token`: the shared internal token the decode receivers require (None: send none). `checksum`: send a CRC32
-    of every LAYER/AUX payload (the receiver fails a room whose data does not match)."""
+    of every LAYER/AUX payload (the receiver fails a room whose data does not match). `device`: where the rows
+    live (TCP copies them to the host whatever it is, so it only matters to the collective transports)."""
+
+    transport = "tcp"  # announced in HELLO: a decode worker on another transport refuses the pairing
 
     def __init__(self, layout: KVLayout, connect_timeout_s: float = 5.0, timeout_s: float = 300.0,
-                 token: str | None = None, checksum: bool = True):
+                 token: str | None = None, checksum: bool = True, device: torch.device | str | None = None):
         self.layout, self.connect_timeout_s, self.timeout_s = layout, connect_timeout_s, timeout_s
         self.token, self.checksum = token, checksum
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._lock = threading.Lock()
         self._conns: dict[str, _Connection] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
         self._closed = False
 
-    def begin(self, endpoint: str, room: int, num_layers: int) -> TcpSendHandle:
+    def begin(self, endpoint: str, room: int, num_layers: int,
+              dst_pages: Sequence[int] | None = None) -> TcpSendHandle:
         if not 0 <= room < 2**64:
             raise ValueError(f"room={room} must be a uint64")
         if not 0 < num_layers <= self.layout.num_kv_layers:
             raise ValueError(f"num_layers={num_layers} must be in [1, {self.layout.num_kv_layers}]")
         for _ in range(2):  # a connection that broke between lookup and registration is remade once
             conn = self._connection(endpoint)
-            handle = TcpSendHandle(conn, room, num_layers, self.layout, self.timeout_s)
+            handle = self._new_handle(conn, room, num_layers, dst_pages)
             if conn.register(handle):
                 handle.status.advance(TransferState.TRANSFERRING)
                 return handle
         raise conn.broken
+
+    def _new_handle(self, conn: _Connection, room: int, num_layers: int,
+                    dst_pages: Sequence[int] | None) -> TcpSendHandle:
+        return TcpSendHandle(conn, room, num_layers, self.layout, self.timeout_s)  # rows carry no destination
 
     def close(self) -> None:
         with self._lock:
@@ -262,7 +289,7 @@ class TcpKVSender(KVSender):
             conn = self._conns.get(endpoint)
             if conn is not None and conn.broken is None:
                 return conn
-            conn = _Connection(endpoint, self._connect(endpoint), self.checksum)
+            conn = self._connect(endpoint)
             with self._lock:
                 if self._closed:
                     conn.break_(KVTransferError("aborted", "the KV sender is closed"))
@@ -270,7 +297,12 @@ class TcpKVSender(KVSender):
                 self._conns[endpoint] = conn
             return conn
 
-    def _connect(self, endpoint: str) -> socket.socket:
+    def _open(self, endpoint: str, sock: socket.socket, hello_ok: dict[str, Any]) -> _Connection:
+        """The connection over a handshaken socket (the collective transports set up their process group here).
+        Raises KVTransferError; the caller closes the socket."""
+        return _Connection(endpoint, sock, self.checksum)
+
+    def _connect(self, endpoint: str) -> _Connection:
         host, port = parse_endpoint(endpoint)
         try:
             sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
@@ -279,7 +311,7 @@ class TcpKVSender(KVSender):
         try:
             configure_socket(sock)
             send_frame(sock, {"kind": HELLO, "version": VERSION, "layout": self.layout.to_dict(),
-                              "token": self.token or ""})
+                              "token": self.token or "", "transport": self.transport})
             reply = recv_frame(sock, _MAX_REPLY_PAYLOAD)
             if reply is None:
                 raise ConnectionError("it closed the connection")
@@ -289,6 +321,8 @@ class TcpKVSender(KVSender):
                                             f"worker: {reply[0].get('message')}")
             if reply[0]["kind"] != HELLO_OK:
                 raise ProtocolError(f"unexpected {reply[0]['kind']} frame")
+            sock.settimeout(None)  # before the connection's reader starts: an idle link is not an error
+            conn = self._open(endpoint, sock, reply[0])
         except OSError as e:
             sock.close()
             raise KVTransferError("unreachable", f"decode KV endpoint {endpoint} did not complete the handshake "
@@ -300,5 +334,4 @@ class TcpKVSender(KVSender):
         except KVTransferError:
             sock.close()
             raise
-        sock.settimeout(None)
-        return sock
+        return conn

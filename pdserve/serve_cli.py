@@ -31,12 +31,18 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one, printed at start)")
     g.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
     g.add_argument("--worker-id", default=None, help="stable id (default: role-hostname-pid-random)")
-    g.add_argument("--kv-transport", default="tcp", choices=["tcp"], help="how KV moves between tiers")
+    g.add_argument("--kv-transport", default="tcp", choices=kv_transport_names(),
+                   help="how KV moves between tiers: tcp (sockets, any device), nccl (GPU to GPU), gloo (CPU "
+                        "pools); prefill and decode must use the same (default tcp)")
     g.add_argument("--transfer-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a KV transfer may take before the request fails (default 300)")
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     g.add_argument("--redis-url", default=None,
                    help="register in Redis for discovery (and, prefill, publish prefix-cache ownership)")
+    if role == "prefill":
+        g.add_argument("--no-kv-layerwise", action="store_true",
+                       help="send a prompt's KV only after its whole forward instead of layer by layer as each "
+                            "layer finishes (to measure what layer-wise streaming saves in TTFT)")
     if role == "decode":
         g.add_argument("--kv-host", default=None, help="KV receiver address (default: --host)")
         g.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = a free one)")
@@ -44,6 +50,12 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="requests waiting here (prefill: for compute; decode: for their KV) before new ones get "
                         "RESOURCE_EXHAUSTED (default 256)")
     add_reliability_args(p, internal_server=True)
+
+
+def kv_transport_names() -> list[str]:
+    from pdserve.kv_transfer import TRANSPORTS
+
+    return TRANSPORTS.names()
 
 
 def add_reliability_args(p: argparse.ArgumentParser, internal_server: bool):
@@ -98,14 +110,24 @@ def _register(args, worker, role: str, metrics_port: Optional[int]):
     return reg
 
 
+def _nccl_error_handling(args: argparse.Namespace) -> None:
+    """NOTE: the nccl KV transport notices a failed pair itself and aborts that pair's communicator alone; torch's
+    default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) takes the whole worker down on any NCCL error or op timeout of any
+    pair. Read when a ProcessGroupNCCL is built, so it is set before any is; an operator's own value wins."""
+    if args.kv_transport == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+
+
 def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.cli import engine_config_from_args
     from pdserve.metrics import Metrics
     from pdserve.prefill_service.publisher import OwnershipPublisher
     from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
 
+    _nccl_error_handling(args)
     config = PrefillWorkerConfig(engine_config_from_args(args), host=args.host, port=args.port,
-                                 kv_transport=args.kv_transport, transfer_timeout_s=args.transfer_timeout,
+                                 kv_transport=args.kv_transport, kv_layerwise=not args.no_kv_layerwise,
+                                 transfer_timeout_s=args.transfer_timeout,
                                  max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                  security=security_from_args(args))
     metrics = Metrics.create("prefill")
@@ -141,6 +163,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from pdserve.decode_service.server import DecodeWorker, DecodeWorkerConfig, serve_decode
     from pdserve.metrics import Metrics, SpecMetrics
 
+    _nccl_error_handling(args)
     engine = engine_config_from_args(args)
     # Decode keeps no prefix cache: its pages come from prefill and return to the pool when a request ends.
     engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, enable_prefix_cache=False))
@@ -302,6 +325,21 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         ["--disable-cuda-graph"] if args.disable_cuda_graph else [])
 
 
+def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
+    """nccl pairs two GPUs (NCCL refuses two ranks on one device): `up` then puts worker k on cuda:k."""
+    if args.kv_transport != "nccl":
+        return None
+    import torch
+
+    need, have = args.prefill + args.decode, torch.cuda.device_count()
+    if have < need:
+        from pdserve.cli import UsageError
+
+        raise UsageError(f"--kv-transport nccl puts each worker on its own GPU: {need} workers need {need} GPUs, "
+                         f"this machine has {have} (use tcp, or fewer workers)")
+    return [f"cuda:{k}" for k in range(need)]
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         from pdserve.cli import UsageError
@@ -316,8 +354,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             if not os.path.isfile(os.path.join(args.model, "config.json")):
                 _say(f"no --model given and no trained demo model: making a random tiny model in {args.model}")
                 make_tiny_model(args.model)
+    gpus = _gpu_per_worker(args)
     procs: list[tuple[str, subprocess.Popen]] = []
-    common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout)]
+    common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout), "--kv-transport",
+                                   args.kv_transport]
     if args.redis_url:
         common += ["--redis-url", args.redis_url]
     try:
@@ -325,7 +365,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             for i in range(count):
                 port = _free_port()
                 cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
-                       f"{role}-{i}", *common]
+                       f"{role}-{i}", *common] + (["--device", gpus.pop(0)] if gpus else [])
                 if args.metrics_port:
                     cmd += ["--metrics-port", "0"]
                 procs.append((f"{role}:127.0.0.1:{port}", subprocess.Popen(cmd)))

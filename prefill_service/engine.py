@@ -3,7 +3,8 @@ streams the latent KV of every layer to the decode worker that reserved pages fo
 
 Layer-wise streaming: when a step holds a prompt's final chunk, each layer's KV rows for the whole prompt are
 handed to the sender as soon as that layer's forward has written them, so the transfer overlaps the remaining
-layers. The NextN/MTP layer's KV follows once the first token is known (its last position needs that token).
+layers (`layerwise=False` sends them all after the forward instead, to compare). The NextN/MTP layer's KV follows
+once the first token is known (its last position needs that token).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ class PrefillEngine:
     """Wraps an LLMEngine's scheduler and runner; every request ends after its first token."""
 
     def __init__(self, core: LLMEngine, sender: KVSender,
-                 on_blocks: Optional[Callable[[list[bytes]], None]] = None, max_queued: int = 256):
+                 on_blocks: Optional[Callable[[list[bytes]], None]] = None, max_queued: int = 256,
+                 layerwise: bool = True):
         self.core, self.sender = core, sender
+        self.layerwise = layerwise
         self.max_queued = max_queued  # prompts waiting for compute; a bounded queue answers "full" at once
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.num_main_layers = core.model_config.num_hidden_layers
@@ -100,7 +103,10 @@ class PrefillEngine:
                 # index_select copies, so the sender owns its rows while the pool moves on.
                 self._handle(c.request).send_layer(layer, self.pool.kv[layer].index_select(0, slots[c.request.request_id]))
 
-        forward = self.runner.execute(out, layer_done=send_layer if final else None)
+        forward = self.runner.execute(out, layer_done=send_layer if final and self.layerwise else None)
+        if final and not self.layerwise:
+            for layer in range(self.num_main_layers):
+                send_layer(layer)
         if self.ships_mtp:
             self.runner.mtp_extend(out.prefill, forward.extend_hidden)
         results = []

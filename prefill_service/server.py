@@ -16,7 +16,7 @@ from pdserve.engine_loop import EngineLoop
 from pdserve.grpc_shell import (
     Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
 )
-from pdserve.kv_transfer import KVTransferError, TRANSPORTS
+from pdserve.kv_transfer import KVTransferError, TRANSPORTS, check_transport_device
 from pdserve.metrics import Metrics
 from pdserve.rpc_convert import layout_from_proto, layout_to_proto, sampling_from_proto
 from pdserve.v1 import generate_pb2 as gen_pb
@@ -41,11 +41,17 @@ class PrefillWorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     kv_transport: str = "tcp"
+    # True: each layer's KV is sent as soon as its forward wrote it (overlapping the rest of the prefill);
+    # False: all layers after the whole forward (--no-kv-layerwise, to measure what streaming saves in TTFT).
+    kv_layerwise: bool = True
     transfer_timeout_s: float = 300.0
     worker_id: Optional[str] = None
     max_queued_requests: int = 256  # prompts waiting for compute; beyond: RESOURCE_EXHAUSTED at once
     drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     security: SecurityConfig = SecurityConfig()
+
+    def __post_init__(self) -> None:
+        check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
 
 
 class PrefillWorker:
@@ -60,9 +66,9 @@ class PrefillWorker:
         self.layout = kv_layout(self.core, ships_mtp)
         sender_cls = TRANSPORTS.get(config.kv_transport).sender
         self.sender = sender_cls(self.layout, timeout_s=config.transfer_timeout_s,
-                                 token=config.security.internal_token)
+                                 token=config.security.internal_token, device=self.core.pool.kv.device)
         self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held,
-                                    max_queued=config.max_queued_requests)
+                                    max_queued=config.max_queued_requests, layerwise=config.kv_layerwise)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
@@ -129,7 +135,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                              list(request.dst_pages))
             # Connecting (and the layout handshake) happens here, before any compute is spent.
             handle = await asyncio.to_thread(w.sender.begin, request.kv_endpoint, request.room,
-                                             w.layout.num_kv_layers)
+                                             w.layout.num_kv_layers, job.dst_pages)
             result_future = w.deliveries.expect(rid)
             try:
                 await asyncio.wrap_future(w.loop.submit(lambda: w.engine.add(job, handle)))

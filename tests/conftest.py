@@ -49,6 +49,23 @@ def trained_model_dir() -> Path:
     return TRAINED_MODEL_DIR
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_v3_dir):
+    """The single-process engine's greedy outputs of golden.PROMPTS, and the engine (see golden.py)."""
+    from golden import reference_outputs
+
+    return reference_outputs(tiny_v3_dir)
+
+
+@pytest.fixture
+def cleanup():
+    """cleanup(obj): obj.close() after the test, last registered first (receivers, senders)."""
+    items = []
+    yield items.append
+    for item in reversed(items):
+        item.close()
+
+
 @pytest.fixture
 def copy_model(tmp_path) -> Callable[..., Path]:
     """copy_model(src, name="model") -> a fresh copy of the model directory src under this test's tmp_path."""

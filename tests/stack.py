@@ -51,15 +51,33 @@ class Proc:
                 self.popen.wait(5)
 
 
-def start(role: str, args: list[str], log_dir: Path, name: str, timeout_s: float = 60.0) -> Proc:
+def spawn(role: str, args: list[str], log_dir: Path, name: str) -> Proc:
+    """Start a pdserve process on free ports without waiting for it (see `wait_serving`)."""
     port, mport = free_port(), free_port()
     log_path = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--metrics-port", str(mport), *args]
     popen = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    proc = Proc(role, f"127.0.0.1:{port}", popen, mport, log_path)
+    return Proc(role, f"127.0.0.1:{port}", popen, mport, log_path)
+
+
+def start(role: str, args: list[str], log_dir: Path, name: str, timeout_s: float = 60.0) -> Proc:
+    proc = spawn(role, args, log_dir, name)
     wait_serving(proc, timeout_s)
     return proc
+
+
+def start_all(specs: list[tuple[str, list[str], str]], log_dir: Path, timeout_s: float = 90.0) -> list[Proc]:
+    """Start (role, args, name) processes side by side (their model loads overlap), then wait for each."""
+    procs = [spawn(role, args, log_dir, name) for role, args, name in specs]
+    try:
+        for proc in procs:
+            wait_serving(proc, timeout_s)
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return procs
 
 
 def wait_serving(proc: Proc, timeout_s: float) -> None:

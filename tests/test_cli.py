@@ -142,6 +142,16 @@ def test_generate_user_errors_exit_2_with_one_line(case, tiny_v3_dir, copy_model
     assert_one_line_error(proc, "generate", *parts)
 
 
+# ---- workers ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_nccl_on_a_cpu_worker_exits_2_before_loading_the_model(role, tiny_v3_dir):
+    proc = pdserve(role, "--model", tiny_v3_dir, "--device", "cpu", "--kv-transport", "nccl", timeout=60)
+    line = assert_one_line_error(proc, role)
+    assert line == (f"pdserve {role}: error: --kv-transport nccl needs a CUDA device; this worker runs on cpu: use "
+                    "tcp or gloo")
+    assert "loaded shard" not in proc.stderr, "the check must come before the model load"
+
+
 # ---- make-tiny-model ------------------------------------------------------------------------------------------------
 def snapshot(path: Path) -> dict[str, tuple[int, int, str]]:
     return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
@@ -205,7 +215,10 @@ def test_make_tiny_model_rejects_unknown_arch(tmp_path, capsys):
     (["--help"], ["generate", "make-tiny-model", "prefill", "decode", "router"]),
     (["generate", "--help"], ["--model", "--prompt", "--input-ids", "--max-new-tokens", "--temperature", "--json",
                               "--load-format", "dummy"]),
-], ids=["pdserve", "generate"])
+    (["prefill", "--help"], ["--kv-transport {gloo,nccl,tcp}", "--no-kv-layerwise"]),
+    (["decode", "--help"], ["--kv-transport {gloo,nccl,tcp}", "--kv-port"]),
+    (["up", "--help"], ["--kv-transport {gloo,nccl,tcp}"]),
+], ids=["pdserve", "generate", "prefill", "decode", "up"])
 def test_help(args, flags):
     proc = pdserve(*args)
     assert proc.returncode == 0, proc.stderr

@@ -115,13 +115,19 @@ def test_prefill_killed_mid_transfer(tiny_v3_dir, tmp_path):
     stack = start_stack(tiny_v3_dir, tmp_path, n_prefill=2, n_decode=1,
                         engine_args=["--max-num-batched-tokens", "32"])
     try:
-        address, victim = stack.router.address, stack.prefill[0]
         prompts = [[10 + (i * 7 + j) % 400 for j in range(150)] for i in range(10)]  # 380 of 512 pages
-        statuses = load_with_kill(address, victim, prompts, max_new=12, kill_after=(0.2, 0.6))
-        assert statuses.count("OK") >= 1
-        assert_idle(stack.decode + [stack.prefill[1]])
-        for i in range(4):
-            assert one(address, [40 + i] * 50, 6)[0] == "OK"
-        assert_idle(stack.decode)
+        kill_prefill_under_load(stack, prompts, max_new=12, kill_after=(0.2, 0.6))
     finally:
         stack.stop()
+
+
+def kill_prefill_under_load(stack, prompts: list[list[int]], max_new: int, kill_after: tuple) -> None:
+    """prefill[0] SIGKILLed while `prompts` are in flight: every client gets its tokens or UNAVAILABLE, the decode
+    workers and prefill[1] return to idle, and new requests go through prefill[1]."""
+    address = stack.router.address
+    statuses = load_with_kill(address, stack.prefill[0], prompts, max_new=max_new, kill_after=kill_after)
+    assert statuses.count("OK") >= 1
+    assert_idle(stack.decode + [stack.prefill[1]])
+    for i in range(4):
+        assert one(address, [40 + i] * 50, 6)[0] == "OK"
+    assert_idle(stack.decode)

@@ -57,14 +57,6 @@ class Recorder:
                                                          f"done={self.done} failed={self.failed}"
 
 
-@pytest.fixture
-def cleanup():
-    items = []
-    yield items.append
-    for item in reversed(items):
-        item.close()
-
-
 def start_receiver(cleanup, layout, **kw) -> tuple[TcpKVReceiver, Recorder]:
     rec = Recorder()
     receiver = TcpKVReceiver(layout, on_layer=rec.on_layer, on_done=rec.on_done, on_failed=rec.on_failed, **kw)

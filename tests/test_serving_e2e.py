@@ -12,26 +12,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine import EngineConfig, LLMEngine
-from pdserve.kv_cache import CacheConfig
 from pdserve.sampling import SamplingParams
 
+from golden import GREEDY, PROMPTS, check_against_reference
 from stack import generate, load, scrape, start, start_stack, wait_idle
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = ["The router sends each request to a prefill worker",
-           "Hello",
-           "Mixture-of-experts layers route each token to a few experts chosen by a learned gate. " * 2,
-           "Naïve café 東京 🚀",
-           [5, 6, 7, 8, 9, 10, 11, 12, 13]]
-GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_v3_dir):
-    engine = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=512)))
-    return {i: engine.generate([p], GREEDY)[0] for i, p in enumerate(PROMPTS)}, engine
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +34,6 @@ def stack_2p2d(tiny_v3_dir, tmp_path_factory):
                         engine_args=["--max-num-batched-tokens", "8"], router_args=["--balance-threshold", "1"])
     yield stack
     stack.stop()
-
-
-def check_against_reference(address, reference):
-    outputs, _ = reference
-    for i, prompt in enumerate(PROMPTS):
-        got = generate(address, prompt, GREEDY)
-        want = outputs[i]
-        assert got.output_ids == want.output_ids, f"prompt {i}: disaggregated tokens differ"
-        assert got.streamed_ids == got.output_ids, "stream out of order or incomplete"
-        assert got.text == want.new_text == got.streamed_text
-        assert (got.prompt_tokens, got.completion_tokens, got.finish_reason) == (want.prompt_tokens, 12, "length")
 
 
 def test_1p1d_matches_single_process_engine(stack_1p1d, reference):

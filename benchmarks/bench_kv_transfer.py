@@ -1,0 +1,282 @@
+"""KV transfer between two GPUs of one host: pdserve's "nccl" transport against a plain torch.distributed NCCL
+send/recv of the same bytes, measured in the same run, plus the GPU memory an NCCL communicator takes.
+
+Layout: DeepSeek-V3's latent KV, --layers 61 x --kv-dim 576 bf16 values per token (70.3 KiB a token), rooms of
+--tokens 4096 and 16384 (288 MiB and 1.15 GiB). This process is the prefill side (rows on --prefill-device); it
+starts the decode side (a pool on --decode-device) as a child process of this script.
+
+- ours: begin() -> send_layer() for every layer -> finish() -> wait() for the decode worker's confirmation, rows
+  received straight into the pool's pages; with --page-order contiguous (one run per layer) and shuffled (the
+  reserved pages in random order: one op per page, the worst case of a fragmented pool).
+- plain: the same bytes, one dist.send/dist.recv per layer into a contiguous buffer over a process group made by
+  init_process_group; the floor our per-run ops and control messages are compared with.
+- memory: torch.cuda.mem_get_info before and after each communicator is created (NCCL allocates outside torch's
+  caching allocator, so memory_allocated() would not see it), on both GPUs; NCCL_* settings are recorded with it.
+
+Every time is the median of --iters runs after --warmup. Not a test: it prints numbers and writes --out.
+
+    python benchmarks/bench_kv_transfer.py --out benchmarks/results/kv_transfer_h200x2.json
+    python benchmarks/bench_kv_transfer.py --backend gloo --prefill-device cpu --decode-device cpu --layers 4 \\
+        --tokens 256 --iters 2 --out /tmp/kv_transfer_cpu.json    # a dry run of the script on the CPU (Gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdserve.kv_transfer import TRANSPORTS, KVLayout  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file to write (every number of the run)")
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="transport to measure (default nccl)")
+    p.add_argument("--prefill-device", default="cuda:0")
+    p.add_argument("--decode-device", default="cuda:1")
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="room sizes in tokens")
+    p.add_argument("--layers", type=int, default=61, help="KV layers (DeepSeek-V3: 61)")
+    p.add_argument("--kv-dim", type=int, default=576, help="latent values per token and layer (V3: 512 + 64)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-order", nargs="+", default=["contiguous", "shuffled"], choices=["contiguous", "shuffled"])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--role", default="prefill", choices=["prefill", "decode"], help=argparse.SUPPRESS)
+    p.add_argument("--kv-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--plain-port", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free device memory, after torch's cache gave back what it holds unused (so only real allocations count)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def layout_of(args) -> KVLayout:
+    return KVLayout("bench-kv-transfer", args.page_size, args.layers, args.kv_dim, args.dtype)
+
+
+def num_pages(args) -> int:
+    return -(-max(args.tokens) // args.page_size)
+
+
+def plain_group(args, rank: int, device: torch.device) -> int:
+    """init_process_group over --plain-port, one warm-up exchange; the device memory it took."""
+    import torch.distributed as dist
+
+    before = free_bytes(device)
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.plain_port}", rank=rank, world_size=2)
+    probe = torch.ones(1, device=device)
+    (dist.send if rank == 1 else dist.recv)(probe, 1 - rank)
+    return before - free_bytes(device)
+
+
+# ---- decode side: a child process, driven over stdin -------------------------------------------------------------
+def decode_main(args) -> None:
+    device = torch.device(args.decode_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    layout = layout_of(args)
+    pool = torch.zeros(args.layers, (num_pages(args) + 1) * args.page_size, args.kv_dim, dtype=layout.torch_dtype,
+                       device=device)
+    say = lambda *words: print(*words, flush=True)  # noqa: E731
+    before = free_bytes(device)
+    receiver = TRANSPORTS.get(args.backend).receiver(
+        layout, port=args.kv_port, kv_buffer=pool, timeout_s=600, on_layer=lambda *a: None,
+        on_done=lambda room, aux: None, on_failed=lambda room, e: say("failed", room, e))
+    say("ready", receiver.endpoint)
+    buffer = torch.empty(max(args.tokens), args.kv_dim, dtype=layout.torch_dtype, device=device)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "expect":
+            receiver.expect(int(cmd[1]), int(cmd[2]), json.loads(cmd[3]), args.layers)
+        elif cmd[0] == "plain":  # receive --layers layers of n tokens, once per iteration
+            import torch.distributed as dist
+
+            n, iters = int(cmd[1]), int(cmd[2])
+            for _ in range(iters):
+                for _ in range(args.layers):
+                    dist.recv(buffer[:n], 1)  # from the prefill side (rank 1, as in pdserve)
+                sync(device)
+        elif cmd[0] == "plain-init":
+            say("plain-bytes", plain_group(args, 0, device))
+            continue
+        elif cmd[0] == "stats":
+            pairs = [c.pair.comm_bytes for c in list(receiver._conns) if getattr(c, "pair", None) is not None]
+            say("stats", json.dumps({"pair_comm_bytes": pairs, "mem_get_info_bytes": before - free_bytes(device)}))
+            continue
+        elif cmd[0] == "quit":
+            break
+        say("ok", cmd[0])
+    receiver.close()
+
+
+# ---- prefill side: this process ----------------------------------------------------------------------------------
+class Child:
+    def __init__(self, args):
+        argv = [sys.executable, os.path.abspath(__file__), "--role", "decode", "--out", "-", "--backend",
+                args.backend, "--decode-device", args.decode_device, "--layers", str(args.layers), "--kv-dim",
+                str(args.kv_dim), "--dtype", args.dtype, "--page-size", str(args.page_size), "--kv-port", "0",
+                "--plain-port", str(args.plain_port), "--tokens", *map(str, args.tokens)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.endpoint = self.expect_line("ready").split()[1]
+
+    def expect_line(self, prefix: str) -> str:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the decode process ended (status {self.proc.poll()}) before {prefix!r}")
+            if line.startswith(prefix):
+                return line.strip()
+            print(f"[decode] {line.rstrip()}", file=sys.stderr)
+
+    def send(self, line: str, answer: str | None = "ok") -> str | None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.expect_line(answer) if answer else None
+
+
+def run_ours(args, child: Child, sender, rows: torch.Tensor, tokens: int, order: str, first_room: int) -> dict:
+    need = -(-tokens // args.page_size)
+    pages = list(range(need))
+    if order == "shuffled":
+        random.Random(tokens).shuffle(pages)
+    aux = {"first_token_id": 0, "cached_tokens": 0, "hidden": None, "rng_state": b""}
+    times = []
+    for i in range(args.warmup + args.iters):
+        room = first_room + i
+        child.send(f"expect {room} {tokens} {json.dumps(pages, separators=(',', ':'))}")
+        sync(rows.device)
+        t0 = time.perf_counter()
+        h = sender.begin(child.endpoint, room, args.layers, dst_pages=pages)
+        for layer in range(args.layers):
+            h.send_layer(layer, rows[layer, :tokens])
+        h.finish(aux)
+        h.wait(timeout=600)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    runs = len({p - i for i, p in enumerate(pages)}) if order == "contiguous" else need
+    return {"seconds": statistics.median(times), "ops_per_layer": runs, "all_seconds": times}
+
+
+def run_plain(args, child: Child, rows: torch.Tensor, tokens: int) -> dict:
+    import torch.distributed as dist
+
+    child.send(f"plain {tokens} {args.warmup + args.iters}", answer=None)
+    times = []
+    for i in range(args.warmup + args.iters):
+        sync(rows.device)
+        t0 = time.perf_counter()
+        for layer in range(args.layers):
+            dist.send(rows[layer, :tokens], 0)
+        sync(rows.device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    child.expect_line("ok plain")
+    return {"seconds": statistics.median(times), "all_seconds": times}
+
+
+def prefill_main(args) -> None:
+    device = torch.device(args.prefill_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # as pdserve's nccl workers run
+    args.plain_port = free_port()
+    layout = layout_of(args)
+    rows = torch.randn(args.layers, max(args.tokens), args.kv_dim, device=device).to(layout.torch_dtype)
+    child = Child(args)
+    result = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+              "backend": args.backend, "prefill_device": args.prefill_device, "decode_device": args.decode_device,
+              "layout": layout.to_dict(), "bytes_per_token": args.layers * args.kv_dim * layout.torch_dtype.itemsize,
+              "nccl_env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))},
+              "cases": []}
+    if device.type == "cuda":
+        result["gpus"] = [torch.cuda.get_device_name(d) for d in (args.prefill_device, args.decode_device)]
+        result["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+    try:
+        before = free_bytes(device)
+        sender = TRANSPORTS.get(args.backend).sender(layout, device=device, timeout_s=600)
+        # The first room builds the pair (its communicator): one token, so nothing else shows in the memory delta.
+        connect = {**vars(args), "tokens": [1], "warmup": 0, "iters": 1}
+        run_ours(argparse.Namespace(**connect), child, sender, rows, 1, "contiguous", 1)
+        pair = next(iter(sender._conns.values())).pair
+        stats = json.loads(child.send("stats", answer="stats").split(maxsplit=1)[1])
+        result["memory"] = {"prefill_ours_mem_get_info_bytes": before - free_bytes(device),
+                            "prefill_ours_pair_bytes": pair.comm_bytes,
+                            "decode_ours_pair_bytes": stats["pair_comm_bytes"],
+                            "decode_ours_mem_get_info_bytes": stats["mem_get_info_bytes"]}
+        room = 2
+        for order in args.page_order:
+            for tokens in args.tokens:
+                case = {"tokens": tokens, "page_order": order, "bytes": tokens * result["bytes_per_token"]}
+                case["ours"] = run_ours(args, child, sender, rows, tokens, order, room)
+                room += args.warmup + args.iters
+                case["ours"]["GB_per_s"] = case["bytes"] / case["ours"]["seconds"] / 1e9
+                result["cases"].append(case)
+                print(f"ours  {order:10s} {tokens:6d} tokens {case['bytes'] / 2**20:8.1f} MiB "
+                      f"{case['ours']['seconds'] * 1e3:8.2f} ms {case['ours']['GB_per_s']:7.2f} GB/s "
+                      f"({case['ours']['ops_per_layer']} ops a layer)", flush=True)
+        child.send("plain-init", answer=None)
+        result["memory"]["prefill_plain_bytes"] = plain_group(args, 1, device)
+        result["memory"]["decode_plain_bytes"] = int(child.expect_line("plain-bytes").split()[1])
+        for case in result["cases"]:
+            if case["page_order"] == args.page_order[0]:
+                plain = run_plain(args, child, rows, case["tokens"])
+                plain["GB_per_s"] = case["bytes"] / plain["seconds"] / 1e9
+                print(f"plain {'':10s} {case['tokens']:6d} tokens {plain['seconds'] * 1e3:28.2f} ms "
+                      f"{plain['GB_per_s']:7.2f} GB/s", flush=True)
+                for c in result["cases"]:
+                    if c["tokens"] == case["tokens"]:
+                        c["plain"] = plain
+                        c["ours_over_plain"] = c["ours"]["GB_per_s"] / plain["GB_per_s"]
+        mem = result["memory"]
+        print(f"communicator memory, prefill / decode GPU: ours {mem['prefill_ours_mem_get_info_bytes'] / 2**20:.1f}"
+              f" / {mem['decode_ours_mem_get_info_bytes'] / 2**20:.1f} MiB (measured inside the pair: "
+              f"{mem['prefill_ours_pair_bytes'] / 2**20:.1f} / {[b / 2**20 for b in mem['decode_ours_pair_bytes']]}"
+              f" MiB); plain {mem['prefill_plain_bytes'] / 2**20:.1f} / {mem['decode_plain_bytes'] / 2**20:.1f} MiB")
+        child.send("quit", answer=None)
+        sender.close()
+    finally:
+        child.proc.stdin.close()
+        child.proc.wait(timeout=60)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    (decode_main if args.role == "decode" else prefill_main)(args)
+
+
+if __name__ == "__main__":
+    main()
