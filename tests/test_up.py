@@ -60,3 +60,14 @@ def test_up_serves_and_stops_cleanly(tiny_v3_dir, tmp_path):
     while processes_mentioning(str(model)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_mentioning(str(model)) == [], "worker processes outlived `pdserve up`"
+
+
+def test_default_model_is_the_committed_trained_model(trained_model_dir):
+    """`pdserve up` without --model serves models/tiny-trained from the checkout (whatever the working directory),
+    and that checkpoint has the MTP layer NextN drafts with."""
+    from pdserve import serve_cli
+    from pdserve.config import ModelConfig
+
+    assert Path(serve_cli.DEFAULT_MODEL_DIR).resolve() == trained_model_dir.resolve()
+    cfg = ModelConfig.from_model_dir(serve_cli.DEFAULT_MODEL_DIR)
+    assert cfg.num_nextn_predict_layers == 1 and cfg.model_type == "deepseek_v3"
