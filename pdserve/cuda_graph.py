@@ -3,8 +3,8 @@
 Two kinds of forward are captured: the target model (plain decode, and NextN's verification rows) and the NextN/MTP
 layer (NextN's draft steps and draft extend), which also reads the previous hidden state from a static buffer.
 For greedy drafting the MTP runner also captures a *chain*: several draft steps in one graph, each step's argmax
-feeding the next on the GPU (SGLang's multi-step draft graph), so a round pays one replay and one host sync for
-all of its drafts instead of one per step.
+feeding the next on the GPU (SGLang's multi-step draft graph), so a round pays one replay for all of its drafts
+and the drafts stay on the device until the verification's acceptance reads them back.
 
 A decode step at small batch is launch-bound (hundreds of small kernels per layer); replaying a captured graph
 removes that overhead (SGLang: DeepSeek-V3 at batch 1 went from 7 to 31 tok/s). Everything a graph reads lives in
