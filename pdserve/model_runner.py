@@ -89,10 +89,8 @@ class ModelRunner:
 
     def mtp_decode(self, reqs: list[Request], next_tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """One MTP step at each request's last position with its newly sampled token; returns draft logits."""
-        batch = self.decode_batch(reqs)
-        batch.input_ids = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
-        logits, _ = self.model.mtp_forward(batch, hidden, self.pool.kv)
-        return logits
+        rows = [TokenRow(r, r.num_tokens - 1, tok) for r, tok in zip(reqs, next_tokens)]
+        return self.mtp_rows(rows, hidden)[0]
 
     # ---- arbitrary token rows (speculative decoding) -------------------------------------------------------------
     def target_rows(self, rows: list[TokenRow], patch: Optional[Callable[[ForwardBatch], None]] = None

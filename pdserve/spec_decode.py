@@ -294,12 +294,7 @@ class NextNSpeculator:
         hidden, logits = self.runner.target_rows(vrows, put_drafts)  # (b*(k+1), D), (b*(k+1), vocab)
         host = torch.cat([drafts_dev.flatten(), logits.argmax(dim=-1)]).tolist()
         drafts = [host[i * k:(i + 1) * k] for i in range(b)]
-        targets = host[b * k:]
-        out = []
-        for i, row in enumerate(rows):
-            tokens = greedy_accept(targets[i * (k + 1):(i + 1) * (k + 1)], drafts[i])
-            out.append(Verified(row, tokens, hidden[i * (k + 1): i * (k + 1) + len(tokens)]))
-        return out, drafts
+        return self._accept_rows(rows, drafts, [[] for _ in rows], host[b * k:], logits, hidden), drafts
 
     def _verify(self, rows: list[SpecDecode], drafts: list[list[int]],
                 draft_probs: list[list[torch.Tensor]]) -> list[Verified]:
@@ -310,6 +305,12 @@ class NextNSpeculator:
             vrows += [TokenRow(req, n - 1 + m, tok) for m, tok in enumerate([req.all_token_ids[-1], *d])]
         hidden, logits = self.runner.target_rows(vrows)  # (sum(k+1), D), (sum(k+1), vocab)
         target_ids = logits.argmax(dim=-1).tolist()  # greedy rows' targets, in one device->host copy
+        return self._accept_rows(rows, drafts, draft_probs, target_ids, logits, hidden)
+
+    @staticmethod
+    def _accept_rows(rows: list[SpecDecode], drafts: list[list[int]], draft_probs: list[list[torch.Tensor]],
+                     target_ids: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[Verified]:
+        """Acceptance per row over the verification rows laid out row after row (1 + len(drafts) each)."""
         out, off = [], 0
         for row, d, q in zip(rows, drafts, draft_probs):
             req, width = row.request, len(d) + 1
