@@ -137,6 +137,10 @@ def bench_trained(args) -> dict:
     result["divergence"] = divergence(args, prompts[: args.divergence_prompts])
     if args.profile:
         profile_round(args, prompts[:1])
+    if args.timeline:
+        result["timeline"] = timeline(args, prompts[:1])
+    if args.host_phases:
+        result["host_phases"] = host_phases(args, prompts[:2])
     return result
 
 
@@ -177,6 +181,97 @@ def profile_round(args, prompts: list[list[int]]) -> None:
     prof.disable()
     log(f"profile: B=1 NextN {emitted / seconds:.1f} tok/s; top host functions by own time:")
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def timeline(args, prompts: list[list[int]]) -> dict:
+    """Where the wall time goes at batch 1 (torch.profiler, so the host side is a little slower than unprofiled):
+    the GPU's busy time (kernels and copies) against the wall clock, for plain decoding and for NextN; the
+    difference is the GPU waiting for the host. Also the launches per engine step and the top host ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for speculate in (False, True):
+        eng = engine(args, speculate, max_bs=1)
+        decode_run(eng, prompts, 8)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            ids = [eng.add_request(p, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
+                   for p in prompts]
+            steps = 0
+            while eng.has_unfinished:
+                eng.step()
+                steps += 1
+            sync()
+            wall = time.perf_counter() - start
+        del ids
+        events = prof.key_averages()
+        busy = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e6
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaGraphLaunch",
+                                                            "cudaMemcpyAsync", "cudaLaunchKernelExC"))
+        name = "nextn" if speculate else "plain"
+        out[name] = dict(wall_ms_per_step=wall / steps * 1e3, gpu_busy_ms_per_step=busy / steps * 1e3,
+                         gpu_idle_fraction=1 - busy / wall, launches_per_step=launches / steps, steps=steps)
+        log(f"timeline B=1 {name}: {steps} steps, {wall / steps * 1e3:.3f} ms/step wall, GPU busy "
+            f"{busy / steps * 1e3:.3f} ms/step ({100 * busy / wall:.0f}%), {launches / steps:.1f} launches and "
+            "copies per step; top host ops by self time:")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]:
+            log(f"  {e.key[:60]:60s} {e.count / steps:6.1f}/step {e.self_cpu_time_total / steps:8.1f} us/step")
+        del eng
+        free_memory()
+    return out
+
+
+def host_phases(args, prompts: list[list[int]]) -> dict:
+    """Host time per engine step at batch 1, by phase (wall-clock wrappers, no profiler): where the host spends a
+    round, and how long it blocks on the GPU (the device-to-host read: time the GPU was the bottleneck)."""
+    from pdserve.cuda_graph import DecodeGraphRunner
+    from pdserve.engine import LLMEngine as Engine
+    from pdserve.model_runner import ModelRunner
+    from pdserve.scheduler import Scheduler
+    from pdserve.spec_decode import NextNSpeculator
+
+    spent: dict[str, list[float]] = {}
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent.setdefault(label, []).append(time.perf_counter() - t)
+        setattr(owner, name, timed)
+        return owner, name, fn
+
+    out = {}
+    for speculate in (False, True):
+        eng = engine(args, speculate, max_bs=1)
+        decode_run(eng, prompts, 8)
+        spent.clear()
+        patched = [wrap(Engine, "step", "engine.step"), wrap(Scheduler, "schedule", "scheduler.schedule"),
+                   wrap(Engine, "_append", "engine._append"), wrap(ModelRunner, "pack_rows", "runner.pack_rows"),
+                   wrap(DecodeGraphRunner, "replay_packed", "graphs.replay_packed (incl. launch)"),
+                   wrap(torch.cuda.CUDAGraph, "replay", "cudaGraphLaunch"),
+                   wrap(torch.Tensor, "tolist", "tensor.tolist (blocks on the GPU)"),
+                   wrap(NextNSpeculator, "_draft_chain", "spec._draft_chain"),
+                   wrap(NextNSpeculator, "_verify_chained", "spec._verify_chained"),
+                   wrap(NextNSpeculator, "extend", "spec.extend")]
+        try:
+            _, seconds, emitted = decode_run(eng, prompts, args.new_tokens)
+        finally:
+            for owner, name, fn in patched:
+                setattr(owner, name, fn)
+        steps = len(spent.get("engine.step", [])) or 1
+        name = "nextn" if speculate else "plain"
+        out[name] = {k: dict(calls_per_step=len(v) / steps, us_per_step=sum(v) / steps * 1e6) for k, v in spent.items()}
+        log(f"host phases B=1 {name}: {emitted / seconds:.1f} tok/s, {steps} steps, wall per step "
+            f"{out[name]['engine.step']['us_per_step']:.0f} us (engine.step, inclusive):")
+        for k, v in sorted(out[name].items(), key=lambda kv: -kv[1]["us_per_step"]):
+            log(f"  {k:42s} {v['calls_per_step']:5.1f}/step {v['us_per_step']:8.1f} us/step")
+        del eng
+        free_memory()
+    return out
 
 
 def last_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -271,6 +366,10 @@ def main() -> None:
     p.add_argument("--v3-ctx", type=int, default=1024)
     p.add_argument("--v3-gemm-backend", default="triton")
     p.add_argument("--profile", action="store_true", help="also cProfile speculative decoding at batch 1")
+    p.add_argument("--host-phases", action="store_true",
+                   help="also time the host's phases per step at batch 1 (wall-clock wrappers)")
+    p.add_argument("--timeline", action="store_true",
+                   help="also profile GPU busy time vs wall time per step at batch 1 (torch.profiler)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke test of the script with the torch backends (no graphs, no V3 slice)")
     args = p.parse_args()

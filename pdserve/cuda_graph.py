@@ -35,16 +35,40 @@ class CudaGraphConfig:
         return sorted({b for b in (1, 2, 4, 8) if b <= self.max_bs} | set(range(8, self.max_bs + 1, 8)))
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """DECODE rows in a graph's input layout, built on the host (pinned on CUDA) so that ONE host-to-device copy
+    fills a graph's header and one its page table: `host` holds a header (4, rows) = token ids, positions, KV slots,
+    seq_lens, then the page table (rows, width). rows is a bucket size; rows past num_rows are padding (a dummy
+    token at position 0 writing and reading one slot of the scratch page)."""
+
+    host: torch.Tensor
+    num_rows: int
+    rows: int
+    width: int
+
+    @property
+    def header(self) -> torch.Tensor:
+        return self.host[: 4 * self.rows].view(4, self.rows)
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self.host[4 * self.rows:].view(self.rows, self.width)
+
+
 class _Graph:
     def __init__(self, bs: int, max_pages: int, hidden: int, scratch_page: int, page_size: int,
                  device: torch.device, hidden_dtype: Optional[torch.dtype] = None):
         self.bs = bs
         scratch_slot = scratch_page * page_size
-        self.input_ids = torch.zeros(bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(bs, dtype=torch.long, device=device)
-        self.out_slots = torch.full((bs,), scratch_slot, dtype=torch.long, device=device)
+        # One (4, bs) buffer for the per-row inputs, so that a packed batch fills it in one copy.
+        self.header = torch.ones(4, bs, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.out_slots, self.seq_lens = self.header.unbind(0)
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.out_slots.fill_(scratch_slot)
         self.page_table = torch.full((bs, max_pages), scratch_page, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(bs, dtype=torch.long, device=device)
+        self.table_width = 0  # columns of page_table that may hold real pages (the rest: the scratch page)
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
         # The MTP layer's second input, h_i of the target (None for target graphs).
         self.prev_hidden = None if hidden_dtype is None else torch.zeros(bs, hidden, dtype=hidden_dtype, device=device)
@@ -59,22 +83,38 @@ class _Graph:
                             page_table=self.page_table, seq_lens=self.seq_lens)
 
     def fill(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None) -> None:
+        """From a device batch of any size up to bs (benchmarks); the serving path uses fill_packed."""
         n, width = batch.num_tokens, batch.page_table.shape[1]
-        if self.prev_hidden is not None:
-            self.prev_hidden[:n].copy_(prev_hidden)
-            self.prev_hidden[n:].zero_()
+        self._fill_hidden(n, prev_hidden)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.out_slots[:n].copy_(batch.out_slots)
         self.seq_lens[:n].copy_(batch.seq_lens)
         self.page_table[:n, :width].copy_(batch.page_table)
         self.page_table[:n, width:].fill_(self.scratch_page)
+        self.table_width = width  # the columns past it were just reset
         if n < self.bs:  # padded rows: one token of attention over the scratch page
             self.input_ids[n:].zero_()
             self.positions[n:].zero_()
             self.out_slots[n:].fill_(self.scratch_slot)
             self.seq_lens[n:].fill_(1)
             self.page_table[n:].fill_(self.scratch_page)
+
+    def fill_packed(self, packed: PackedRows, prev_hidden: Optional[torch.Tensor] = None) -> None:
+        """Two copies (three with prev_hidden): each one a kernel launch the host pays at small batch."""
+        assert packed.rows == self.bs, f"packed for {packed.rows} rows, graph for {self.bs}"
+        self._fill_hidden(packed.num_rows, prev_hidden)
+        self.header.copy_(packed.header, non_blocking=True)
+        self.page_table[:, :packed.width].copy_(packed.page_table, non_blocking=True)
+        if self.table_width > packed.width:  # never leave another request's pages behind a row
+            self.page_table[:, packed.width:self.table_width].fill_(self.scratch_page)
+        self.table_width = packed.width
+
+    def _fill_hidden(self, n: int, prev_hidden: Optional[torch.Tensor]) -> None:
+        if self.prev_hidden is not None:
+            self.prev_hidden[:n].copy_(prev_hidden)
+            if n < self.bs:  # zeros, not stale values: padded rows still go through routing
+                self.prev_hidden[n:].zero_()
 
 
 def greedy_draft_chain(model, kv: torch.Tensor, batch: ForwardBatch, prev_hidden: torch.Tensor,
@@ -161,27 +201,49 @@ class DecodeGraphRunner:
                 and batch.page_table.shape[1] <= self.max_pages)
 
     def can_chain(self, batch: ForwardBatch) -> bool:
-        return self.chain_steps > 0 and self.can_run(batch) and self._bucket(batch).chain is not None
+        return self.chain_steps > 0 and self.can_run(batch) and self._bucket(batch.num_tokens).chain is not None
+
+    def bucket_for(self, num_rows: int, width: int, chain: bool = False) -> Optional[int]:
+        """The bucket that replays num_rows rows with page tables `width` pages wide (and, with chain=True, has a
+        draft chain); None when no captured graph fits."""
+        if num_rows > max(self.graphs, default=0) or width > self.max_pages:
+            return None
+        bs = min(b for b in self.graphs if b >= num_rows)
+        return bs if not chain or self.graphs[bs].chain is not None else None
+
+    def replay_packed(self, packed: PackedRows, prev_hidden: Optional[torch.Tensor] = None,
+                      patch: Optional[Callable[[torch.Tensor], None]] = None, chain: bool = False):
+        """Fill the bucket packed.rows from a packed batch, let patch(input_ids[:num_rows]) edit the token ids on the
+        device (tokens the host has not seen), replay. Returns views of the static outputs, valid until the next
+        replay of this runner: (hidden (n, D), logits (n, vocab)), or with chain=True the drafts (n, chain_steps)."""
+        assert (prev_hidden is not None) == self.mtp, "prev_hidden is the MTP graphs' input, and theirs only"
+        g, n = self.graphs[packed.rows], packed.num_rows
+        g.fill_packed(packed, prev_hidden)
+        if patch is not None:
+            patch(g.input_ids[:n])
+        (g.chain if chain else g.graph).replay()
+        self.replays += 1
+        return g.chain_tokens[:n] if chain else (g.hidden[:n], g.logits[:n])
 
     def run_chain(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
         """Greedy drafts (B, chain_steps) for the batch's B rows (token t at position p, MTP input h = prev_hidden):
         the argmax of each step fed to the next. A view of the graph's static output, valid until the next replay.
         The rows' pages must cover positions p .. p + chain_steps - 1 (positions past them write the scratch page)."""
-        g = self._bucket(batch)
+        g = self._bucket(batch.num_tokens)
         g.fill(batch, prev_hidden)
         g.chain.replay()
         self.replays += 1
         return g.chain_tokens[: batch.num_tokens]
 
-    def _bucket(self, batch: ForwardBatch) -> _Graph:
-        return self.graphs[min(b for b in self.graphs if b >= batch.num_tokens)]
+    def _bucket(self, num_rows: int) -> _Graph:
+        return self.graphs[min(b for b in self.graphs if b >= num_rows)]
 
     def run(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden (B, D), logits (B, vocab)) for the batch's B rows: views of the graph's static outputs,
         valid until this runner's next replay. prev_hidden (B, D): the MTP layer's input (mtp runners only)."""
         assert (prev_hidden is not None) == self.mtp, "prev_hidden is the MTP graphs' input, and theirs only"
-        g = self._bucket(batch)
+        g = self._bucket(batch.num_tokens)
         g.fill(batch, prev_hidden)
         g.graph.replay()
         self.replays += 1

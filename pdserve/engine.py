@@ -202,6 +202,7 @@ class LLMEngine:
         verified, stats = [], None
         if scheduled.spec_decode:
             verified, stats = self.speculator.propose_and_verify(scheduled.spec_decode)
+            self.speculator.extend(verified, stats)  # queued on the device before the host's bookkeeping below
         self.scheduler.update(scheduled)
         outputs = [self._append(req, [tok]) for req, tok in zip(forward.requests, tokens)]
         if self.speculator is not None:
@@ -209,10 +210,8 @@ class LLMEngine:
             self.speculator.prime([forward.requests[i] for i in going_on], forward.hidden[going_on])
         for v in verified:
             outputs.append(self._append(v.row.request, v.tokens, v.row))
-        if verified:
-            self.speculator.extend([v for v in verified if not v.row.request.is_finished], stats)
-            if self.spec_observer is not None:
-                self.spec_observer.on_spec_round(stats)
+        if verified and self.spec_observer is not None:
+            self.spec_observer.on_spec_round(stats)
         return outputs
 
     def _append(self, req: Request, tokens: list[int], spec_row: Optional[SpecDecode] = None) -> RequestOutput:

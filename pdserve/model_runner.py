@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pdserve.cuda_graph import DecodeGraphRunner, greedy_draft_chain
+from pdserve.cuda_graph import DecodeGraphRunner, PackedRows, greedy_draft_chain
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kv_cache import LatentKVPool
 from pdserve.model import DeepseekV3
@@ -57,11 +57,12 @@ class ModelRunner:
             hidden.append(h[keep])
             logits.append(self.model.logits(h[keep]))
         if out.decode:
-            batch = self.decode_batch(out.decode)
-            if self.graphs is not None and self.graphs.can_run(batch):
-                h, step_logits = self.graphs.run(batch)  # (B, D), (B, vocab)
+            rows = self.decode_rows(out.decode)
+            replayed = self._replay(self.graphs, rows)
+            if replayed is not None:
+                h, step_logits = replayed  # (B, D), (B, vocab)
             else:
-                h = self.model(batch, self.pool.kv)  # (B, D)
+                h = self.model(self.rows_batch(rows), self.pool.kv)  # (B, D)
                 step_logits = self.model.logits(h)
             reqs += out.decode
             hidden.append(h)
@@ -93,56 +94,85 @@ class ModelRunner:
         return self.mtp_rows(rows, hidden)[0]
 
     # ---- arbitrary token rows (speculative decoding) -------------------------------------------------------------
-    def target_rows(self, rows: list[TokenRow], patch: Optional[Callable[[ForwardBatch], None]] = None
+    def target_rows(self, rows: list[TokenRow], patch: Optional[Callable[[torch.Tensor], None]] = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target model over token rows; returns (hidden (rows, D) before the final norm, logits fp32).
-        patch(batch), when given, edits the batch's device tensors first (tokens that only exist on the device)."""
+        patch(input_ids), when given, edits the rows' token ids on the device first (tokens only the device has)."""
+        replayed = self._replay(self.graphs, rows, patch=patch)
+        if replayed is not None:
+            h, logits = replayed
+            return h.clone(), logits.clone()  # the speculator keeps them across later replays
         batch = self.rows_batch(rows)
         if patch is not None:
-            patch(batch)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            h, logits = self.graphs.run(batch)
-            return h.clone(), logits.clone()  # the speculator keeps them across later replays
+            patch(batch.input_ids)
         h = self.model(batch, self.pool.kv)  # (rows, D)
         return h, self.model.logits(h)
 
     def mtp_rows(self, rows: list[TokenRow], prev_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over token rows: row i takes token t_{p+1} at position p and prev_hidden[i] (h_p).
         Returns (draft logits (rows, vocab) fp32, MTP hidden (rows, D))."""
-        batch = self.rows_batch(rows)
-        if self.mtp_graphs is not None and self.mtp_graphs.can_run(batch):
-            h, logits = self.mtp_graphs.run(batch, prev_hidden)
+        replayed = self._replay(self.mtp_graphs, rows, prev_hidden)
+        if replayed is not None:
+            h, logits = replayed
             return logits.clone(), h.clone()  # draft states outlive the next replay
-        return self.model.mtp_forward(batch, prev_hidden, self.pool.kv)
+        return self.model.mtp_forward(self.rows_batch(rows), prev_hidden, self.pool.kv)
 
     def mtp_draft_chain(self, rows: list[TokenRow], prev_hidden: torch.Tensor, steps: int,
                         first: torch.Tensor) -> torch.Tensor:
         """Greedy drafts (rows, steps) on the device, chained through the MTP layer from `rows` (at position n-1)
         whose tokens are `first` (rows,) on the device, with prev_hidden (rows, D): one captured graph replay when
         one fits, else the same ops eagerly."""
-        batch = self.rows_batch(rows)
-        batch.input_ids.copy_(first)
+        def put_first(ids: torch.Tensor) -> None:
+            ids.copy_(first)
+
         g = self.mtp_graphs
-        if g is not None and g.chain_steps == steps and g.can_chain(batch):
-            return g.run_chain(batch, prev_hidden).clone()  # the graph's output buffer is reused by its next replay
+        if g is not None and g.chain_steps == steps:
+            drafts = self._replay(g, rows, prev_hidden, put_first, chain=True)
+            if drafts is not None:
+                return drafts.clone()  # the graph's output buffer is reused by its next replay
+        batch = self.rows_batch(rows)
+        put_first(batch.input_ids)
         return greedy_draft_chain(self.model, self.pool.kv, batch, prev_hidden, steps)
 
-    def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
-        """A DECODE batch of token rows. Built on the host and moved in ONE host-to-device copy, asynchronous on
-        CUDA: at small batch a decode step is launch-bound, and a blocking copy would wait for all queued work."""
-        ps, n = self.pool.page_size, len(rows)
-        width = max((len(r.request.pages) for r in rows), default=0)
-        flat = [r.token for r in rows] + [r.position for r in rows]
+    def _replay(self, graphs: Optional[DecodeGraphRunner], rows: list[TokenRow],
+                prev_hidden: Optional[torch.Tensor] = None, patch: Optional[Callable[[torch.Tensor], None]] = None,
+                chain: bool = False):
+        """DecodeGraphRunner.replay_packed for the rows when a captured graph fits them, else None (run eagerly)."""
+        if graphs is None or not rows:
+            return None
+        width = max(len(r.request.pages) for r in rows)
+        bucket = graphs.bucket_for(len(rows), width, chain)
+        if bucket is None:
+            return None
+        return graphs.replay_packed(self.pack_rows(rows, bucket, width), prev_hidden, patch, chain)
+
+    def pack_rows(self, rows: list[TokenRow], num_rows: int, width: int) -> PackedRows:
+        """The rows in a graph's input layout, padded to num_rows, page tables `width` pages wide, on the host
+        (pinned on CUDA so that the copy to the device does not wait for queued work: at small batch a decode
+        step is launch-bound, and a blocking copy would stall the host until the GPU drains)."""
+        ps, scratch, pad = self.pool.page_size, self.pool.scratch_page, num_rows - len(rows)
+        flat = [r.token for r in rows] + [0] * pad
+        flat += [r.position for r in rows] + [0] * pad
         flat += [r.request.pages[r.position // ps] * ps + r.position % ps for r in rows]  # the slot each row writes
-        flat += [r.position + 1 for r in rows]  # seq_lens: the row attends to positions 0..position
-        for r in rows:  # page table (n, width), short rows padded with page 0 (never read past seq_lens)
+        flat += [scratch * ps] * pad
+        flat += [r.position + 1 for r in rows] + [1] * pad  # seq_lens: the row attends to positions 0..position
+        for r in rows:  # short page tables padded with the scratch page (never read below seq_lens)
             flat += r.request.pages
-            flat += [0] * (width - len(r.request.pages))
-        buf = torch.tensor(flat, dtype=torch.long)
-        if self.device.type == "cuda":  # pinned + non-blocking: the host goes on while the GPU still works
-            buf = buf.pin_memory().to(self.device, non_blocking=True)
+            flat += [scratch] * (width - len(r.request.pages))
+        flat += [scratch] * (width * pad)
+        host = torch.tensor(flat, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return PackedRows(host, len(rows), num_rows, width)
+
+    def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
+        """A DECODE batch of token rows (the eager path), moved in ONE host-to-device copy, asynchronous on CUDA."""
+        n = len(rows)
+        packed = self.pack_rows(rows, n, max((len(r.request.pages) for r in rows), default=0))
+        buf = packed.host.to(self.device, non_blocking=True)
         return ForwardBatch(ForwardMode.DECODE, input_ids=buf[:n], positions=buf[n:2 * n], out_slots=buf[2 * n:3 * n],
-                            page_size=ps, page_table=buf[4 * n:].view(n, width), seq_lens=buf[3 * n:4 * n])
+                            page_size=self.pool.page_size, page_table=buf[4 * n:].view(n, packed.width),
+                            seq_lens=buf[3 * n:4 * n])
 
     def extend_batch(self, chunks: list[PrefillChunk], shift: int = 0) -> tuple[ForwardBatch, list[int]]:
         """Returns the batch and, per chunk, the row index of its last token. shift=1 feeds each position the
@@ -165,6 +195,7 @@ class ModelRunner:
         )
         return batch, [end - 1 for end in qo_indptr[1:]]
 
-    def decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+    @staticmethod
+    def decode_rows(reqs: list[Request]) -> list[TokenRow]:
         """Each request's last token at its last position (its KV is written first, then attended to)."""
-        return self.rows_batch([TokenRow(r, r.num_tokens - 1, r.all_token_ids[-1]) for r in reqs])
+        return [TokenRow(r, r.num_tokens - 1, r.all_token_ids[-1]) for r in reqs]

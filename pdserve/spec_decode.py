@@ -18,6 +18,10 @@ last hidden state, before the final norm, whose logits produced t_{n-1}):
            true hidden states, which refreshes its KV where the drafts had used its own approximate hidden, and
            whose last row is step 1 of the next round (kept in the request's DraftState).
 
+Order on the device, greedy rounds: verify (the round's one device-to-host read) -> extend -> the next round's
+draft chain, both queued before the host appends tokens, detokenizes and schedules, so that host work hides
+behind them; the next verification then finds its drafts ready (DraftState.drafts).
+
 KV beyond the accepted length (target and MTP layer) is simply not counted as computed and is rewritten by a
 later round before anything attends to it; the scheduler returns the unused pages. The MTP layer only shapes the
 drafts, so none of this can change the output: only the acceptance rate. (For the same reason prompt positions
@@ -30,6 +34,7 @@ graphs (ModelRunner.target_rows / mtp_rows, graphs captured for B and B*(k+1) ro
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
@@ -81,6 +86,9 @@ class DraftState:
     # Draft step 1 (MTP at position n-2), when already computed by the previous round's extend or by prefill.
     step1_logits: Optional[torch.Tensor] = None  # (vocab,) fp32
     step1_hidden: Optional[torch.Tensor] = None  # (D,) MTP output hidden, the input of step 2
+    # Greedy drafts d_1..d_k (k,) on the device, chained right after the extend that computed step 1 (queued on
+    # the GPU before the host's bookkeeping, so the next round starts with its drafts already made).
+    drafts: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -149,6 +157,7 @@ class NextNSpeculator:
         self.num_rows = 0  # rows that drafted
         self.num_drafted = 0
         self.num_emitted = 0  # tokens emitted by rows that drafted
+        self.num_chained_ahead = 0  # rounds whose drafts were chained right behind the previous round's extend
 
     @property
     def mean_accept_length(self) -> float:
@@ -197,25 +206,44 @@ class NextNSpeculator:
         return verified, stats
 
     def extend(self, verified: list[Verified], stats: Optional[SpecRoundStats] = None) -> None:
-        """The draft extend, for rows whose request goes on (call after their tokens were appended): the MTP
-        layer over the emitted positions with the target's hidden states; its last row is the next step 1."""
+        """The draft extend, called right after acceptance and before the tokens are appended, so that it is queued
+        on the device while the host appends, detokenizes and schedules: the MTP layer over the emitted positions
+        with the target's hidden states; its last row is the next round's step 1. (A row whose request then
+        finishes, on a stop token, a stop string or its length, only wasted its share of one forward.)"""
         if not verified:
             return
         start = time.perf_counter()
         rows: list[TokenRow] = []
-        for v in verified:
-            req, m = v.row.request, len(v.tokens)
-            assert req.output_ids[-m:] == v.tokens, f"{req.request_id}: extend after its tokens were cut"
-            first = req.num_tokens - m - 1  # position of the row's first verified input (n-1)
-            rows += [TokenRow(req, first + i, tok) for i, tok in enumerate(v.tokens)]
-        logits, h = self.runner.mtp_rows(rows, torch.cat([v.hidden for v in verified]))
-        end = -1
-        for v in verified:
-            end += len(v.tokens)
+        for v in verified:  # positions n-1 .. n-2+len(tokens), each with the token after it
             req = v.row.request
-            req.spec = DraftState(req.num_tokens, v.hidden[-1], logits[end], h[end])
+            rows += [TokenRow(req, req.num_tokens - 1 + i, tok) for i, tok in enumerate(v.tokens)]
+        logits, h = self.runner.mtp_rows(rows, torch.cat([v.hidden for v in verified]))
+        ends = list(itertools.accumulate(len(v.tokens) for v in verified))
+        states = []
+        for v, end in zip(verified, ends):
+            req = v.row.request
+            req.spec = DraftState(req.num_tokens + len(v.tokens), v.hidden[-1], logits[end - 1], h[end - 1])
+            states.append(req.spec)
+        self._chain_ahead(verified, states)
         if stats is not None:
             stats.draft_seconds += time.perf_counter() - start
+
+    def _chain_ahead(self, verified: list[Verified], states: list[DraftState]) -> None:
+        """The next round's greedy draft chain, queued right behind the extend: d_1 = argmax of step 1, then
+        d_2..d_k at positions n'-1 .. n'+k-3 (n' = the length after this round's tokens). Only when every row is
+        greedy and its pages (reserved for this round's verification) already cover those positions; otherwise
+        the next round chains at its start. Pages freed after this round only held the chain's own MTP KV, which
+        nothing reads after the chain (the next extend rewrites those positions first), and the chain runs before
+        any later owner's writes (one stream)."""
+        k, ps = self.config.num_steps, self.runner.pool.page_size
+        if k < 2 or not all(v.row.request.params.is_greedy and s.num_tokens + k - 2 <= len(v.row.request.pages) * ps
+                            for v, s in zip(verified, states)):
+            return
+        first = torch.stack([s.step1_logits for s in states]).argmax(dim=-1)  # (rows,) d_1, on the device
+        rows = [TokenRow(v.row.request, s.num_tokens - 1, 0) for v, s in zip(verified, states)]
+        rest = self.runner.mtp_draft_chain(rows, torch.stack([s.step1_hidden for s in states]), k - 1, first)
+        for s, drafts in zip(states, torch.cat([first.unsqueeze(1), rest], dim=1)):
+            s.drafts = drafts
 
     # ---- stages -----------------------------------------------------------------------------------------------
     def _draft(self, rows: list[SpecDecode]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
@@ -274,6 +302,9 @@ class NextNSpeculator:
                                     or not row.request.params.is_greedy for row in rows):
             return None
         states = self._states(rows)
+        if all(s.drafts is not None for s in states):  # chained right after the last round's extend
+            self.num_chained_ahead += 1
+            return torch.stack([s.drafts for s in states])
         first = torch.stack([s.step1_logits for s in states]).argmax(dim=-1)  # (rows,) d_1, on the device
         # Step 2 runs at position n-1 on d_1 (its token is written into the batch on the device).
         chain_rows = [TokenRow(row.request, row.request.num_tokens - 1, 0) for row in rows]
@@ -288,8 +319,8 @@ class NextNSpeculator:
         vrows = [TokenRow(row.request, row.request.num_tokens - 1 + m, row.request.all_token_ids[-1] if m == 0 else 0)
                  for row in rows for m in range(k + 1)]
 
-        def put_drafts(batch) -> None:  # rows [t_{n-1}, d_1..d_k] per request
-            batch.input_ids.view(b, k + 1)[:, 1:].copy_(drafts_dev)
+        def put_drafts(input_ids: torch.Tensor) -> None:  # rows [t_{n-1}, d_1..d_k] per request
+            input_ids.view(b, k + 1)[:, 1:].copy_(drafts_dev)
 
         hidden, logits = self.runner.target_rows(vrows, put_drafts)  # (b*(k+1), D), (b*(k+1), vocab)
         host = torch.cat([drafts_dev.flatten(), logits.argmax(dim=-1)]).tolist()

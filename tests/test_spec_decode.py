@@ -189,14 +189,24 @@ def test_chained_drafts_equal_stepped_drafts(trained_model_dir):
     calls = []
     real = chained.runner.mtp_draft_chain
     chained.runner.mtp_draft_chain = lambda *a: calls.append(1) or real(*a)
+    at_start = make_engine(trained_model_dir, k=3, page_size=16)  # the chain at the round's start only
+    at_start.speculator._chain_ahead = lambda *a: None
     stepped = make_engine(trained_model_dir, k=3, page_size=16)
     stepped.speculator._draft_chain = lambda rows: None
+    stepped.speculator._chain_ahead = lambda *a: None
     a = [o.output_ids for o in chained.generate(CODE_PROMPTS, params)]
     b = [o.output_ids for o in stepped.generate(CODE_PROMPTS, params)]
+    c = [o.output_ids for o in at_start.generate(CODE_PROMPTS, params)]
     assert calls, "the chained path was not taken"
-    assert a == b
-    assert (chained.speculator.num_rows, chained.speculator.num_emitted) == (stepped.speculator.num_rows,
-                                                                           stepped.speculator.num_emitted)
+    # Most rounds find their drafts chained behind the previous extend; the rest (a page boundary ahead) chain
+    # at their start.
+    rounds = chained.speculator.num_rows / len(CODE_PROMPTS)
+    assert 0.5 * rounds < chained.speculator.num_chained_ahead < rounds
+    assert at_start.speculator.num_chained_ahead == 0
+    assert a == b == c
+    for other in (stepped, at_start):
+        assert (chained.speculator.num_rows, chained.speculator.num_emitted) == (other.speculator.num_rows,
+                                                                               other.speculator.num_emitted)
 
 
 @pytest.mark.parametrize("k", [2, 4])
