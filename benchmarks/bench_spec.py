@@ -6,7 +6,8 @@ draft step, bf16 divergence analysis (trained model); draft and verify overhead 
 Trained model (bf16, CUDA graphs over decode, draft steps, verification and draft extend):
   - decode tokens/s at each batch size, speculation off and on (k = --steps), over held-out prompts
     (files the training never saw, when run with the Python that trained the model); time to the first token is
-    excluded: the clock starts when every request has its first token;
+    excluded: the clock starts when every request has its first token; plain and NextN alternate --repeats times
+    and the medians are reported, next to the speed-up of each side-by-side pair;
   - mean accepted tokens per verification step;
   - one draft step (MTP graph replay) vs one target decode step (graph replay) at the same batch size;
   - greedy identity, speculation on vs off, per prompt; at every first divergence, the target's top-2 logit gap in
@@ -21,6 +22,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -111,28 +113,37 @@ def bench_trained(args) -> dict:
         # Small batches run several groups of prompts one after the other, so acceptance is not one prompt's.
         groups = [prompts[i * b:(i + 1) * b] for i in range(max(1, args.min_prompts // b))]
         row = {"batch": b, "prompts": b * len(groups)}
-        for speculate in (False, True):
-            eng = engine(args, speculate, max_bs=b)
+        engines = {False: engine(args, False, max_bs=b), True: engine(args, True, max_bs=b)}
+        for eng in engines.values():
             decode_run(eng, groups[0], 8)  # warm-up (autotuning, allocator)
-            if speculate:
-                eng.speculator.num_rows = eng.speculator.num_emitted = eng.speculator.num_drafted = 0
-            seconds = emitted = 0
-            for group in groups:
-                _, s, e = decode_run(eng, group, args.new_tokens)
-                seconds, emitted = seconds + s, emitted + e
-            row[f"{'spec' if speculate else 'plain'}_tok_s"] = emitted / seconds
-            if speculate:
-                row["accept_length"] = eng.speculator.mean_accept_length
-                row.update(stage_times(eng, b, args.steps))
-            del eng
-            free_memory()
+        spec = engines[True].speculator
+        spec.num_rows = spec.num_emitted = spec.num_drafted = spec.num_chained_ahead = 0
+        # Plain and NextN alternate, --repeats times: the host's speed drifts between and within machines, and the
+        # speed-up is only meaningful between runs made side by side. Reported: the median of each.
+        runs: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.repeats):
+            for speculate, eng in engines.items():
+                seconds = emitted = 0
+                for group in groups:
+                    _, s, e = decode_run(eng, group, args.new_tokens)
+                    seconds, emitted = seconds + s, emitted + e
+                runs[speculate].append(emitted / seconds)
+        row["plain_tok_s_runs"], row["spec_tok_s_runs"] = runs[False], runs[True]
+        row["plain_tok_s"], row["spec_tok_s"] = statistics.median(runs[False]), statistics.median(runs[True])
+        row["speedup_runs"] = [s / p for p, s in zip(runs[False], runs[True])]
+        row["accept_length"] = spec.mean_accept_length
+        row["rounds_chained_ahead"] = spec.num_chained_ahead
+        row.update(stage_times(engines[True], b, args.steps))
+        del engines, spec
+        free_memory()
         row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
         log(f"B={b:3d} ({row['prompts']} prompts): plain {row['plain_tok_s']:9.1f} tok/s, NextN k={args.steps} "
             f"{row['spec_tok_s']:9.1f} tok/s ({row['speedup']:.2f}x), accept length {row['accept_length']:.2f}; "
             f"GPU: target step {row['target_step_ms']:.3f} ms, draft step {row['draft_step_ms']:.3f} ms "
             f"({row['draft_over_target']:.2f}), round {row['round_gpu_ms']:.3f} ms = verify {row['verify_ms']:.3f} + "
             f"chain {row['chain_ms']:.3f} + extend {row['extend_ms']:.3f}; GPU-only bound on the speed-up "
-            f"{row['gpu_bound_speedup']:.2f}x")
+            f"{row['gpu_bound_speedup']:.2f}x; speed-up per repeat "
+            f"{' '.join(f'{x:.2f}' for x in row['speedup_runs'])}")
         result["batches"].append(row)
     result["divergence"] = divergence(args, prompts[: args.divergence_prompts])
     if args.profile:
@@ -359,6 +370,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--min-prompts", type=int, default=8, help="prompts per batch size at least (run in groups)")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="alternating plain / NextN runs per batch size")
     p.add_argument("--divergence-prompts", type=int, default=32)
     p.add_argument("--attention-backend", default="triton", help="graph-safe backends: triton")
     p.add_argument("--moe-backend", default="triton")
