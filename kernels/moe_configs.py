@@ -6,8 +6,10 @@ with N = the expert intermediate size I (w2 is (E, H, I)), K = the hidden size H
 weights, 128x128) or the weight dtype's name ("bfloat16"), device the CUDA device name with spaces as
 underscores (e.g. NVIDIA_H100_80GB_HBM3). Content: {"<tokens>": {"BLOCK_M": .., "gate_up": {...}, "down":
 {...}}}, where each GEMM's entry holds BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages; both GEMMs share BLOCK_M
-because they walk the same aligned token layout. A call with T tokens takes the entry whose key is nearest T; with
-no file, `default_config` decides.
+because they walk the same aligned token layout. BLOCK_N counts weight rows per tile, as in vLLM/SGLang configs:
+a gate-up tile of BLOCK_N rows holds BLOCK_N / 2 gate rows and their up rows, so it yields BLOCK_N / 2 activation
+columns (fp8: 128 or 256 keep the activation's 1x128 quantization fused). A call with T tokens takes the entry
+whose key is nearest T; with no file, `default_config` decides.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def load_configs(num_experts: int, inter: int, hidden: int, dtype: str, device: 
 
 
 def default_config(tokens: int, num_experts: int, top_k: int, fp8: bool) -> dict:
-    """Untuned fallback, sized by the average rows per expert (tokens * top_k / E)."""
+    """Untuned fallback, sized by the average rows per expert (tokens * top_k / E). The fp8 gate-up tile of 128
+    weight rows at 4 warps yields 64 activation columns; a program runs two of them back to back to fuse the 1x128
+    quantization (triton_moe_kernels.gemm_geometry)."""
     rows = tokens * top_k / max(num_experts, 1)
     block_k = 128 if fp8 else 64
     if rows <= 8:

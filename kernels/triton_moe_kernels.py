@@ -3,9 +3,10 @@
 Per call, with T tokens, top_k slots, P = T * top_k (token, slot) pairs, E experts, hidden H, intermediate I:
 1. fp8 weights: x is quantized once per token per 128 channels (e4m3 + fp32 scales, `per_token_group_quant`);
 2. `align_tokens_layout` sorts the pairs by expert into segments padded to BLOCK_M rows (moe_align.py);
-3. gate-up kernel: for each BLOCK_M rows of one expert and BLOCK_N intermediate columns, x[pair // top_k] @
-   w13[e]^T for the gate and the up half at once (two accumulators), SiLU(gate) * up in fp32, written per pair as
-   (P, I); for fp8 the 1x128 quantization of that activation is fused in the epilogue (BLOCK_N a multiple of 128);
+3. gate-up kernel: for each BLOCK_M rows of one expert and BLOCK_N rows of w13 (BLOCK_N / 2 gate rows and the
+   matching up rows, interleaved in one accumulator), x[pair // top_k] @ w13[e]^T, SiLU(gate) * up in fp32,
+   written per pair as (P, I); for fp8 the 1x128 quantization of that activation is fused in the epilogue (a
+   program covers 128 columns: BLOCK_N = 256, or BLOCK_N = 128 run twice; other tiles quantize separately);
 4. down kernel: act[pair] @ w2[e]^T times the pair's routing weight, written per pair as (P, H);
 5. the combine sums each token's top_k rows into (T, H).
 Everything is sized by T (never by routing results): no host syncs, so the whole layer captures in a CUDA graph.
@@ -35,6 +36,87 @@ if interpreter_requested():
     patch_interpreter_for_numpy2()
 
 
+@triton.jit
+def _expert_block(a_ptr, as_ptr, w_ptr, ws_ptr, a_rows, e, col0, N, K,
+                  stride_am, stride_asm, stride_asg, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+                  GLU: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, WS_MODE: tl.constexpr,
+                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  OUT_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 (BLOCK_M, OUT_N): output columns [col0, col0 + OUT_N) of A[a_rows] @ W[e]^T, one accumulator.
+
+    The tile holds BLOCK_N weight rows. GLU: rows alternate gate, up (tile column 2j is gate row col0 + j, 2j + 1
+    is up row N + col0 + j), so OUT_N = BLOCK_N / 2 and SiLU(gate) * up pairs columns that sit in the same thread
+    of the MMA layout. Weight scales of a K step (WS_MODE, see `gemm_geometry`): 1 = one number (the tile lies in
+    one 128-row scale block), 2 = two numbers (gate and up blocks with GLU, else the tile's two 128-row halves),
+    0 = one per weight row (any other tile)."""
+    j = tl.arange(0, BLOCK_N)
+    if GLU:
+        col = col0 + j // 2
+        is_up = (j % 2) == 1
+        w_row = tl.where(is_up, col + N, col)
+    else:
+        col = col0 + j
+        w_row = col
+    # Columns past N (ragged N) read a valid row instead of masking; they are never stored.
+    w_row = tl.where(col < N, w_row, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + e * stride_we + w_row.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    if FP8:
+        as_ptrs = as_ptr + a_rows * stride_asm
+        ws_base = ws_ptr + e * stride_wse
+        if WS_MODE == 0:
+            ws_ptrs = ws_base + (w_row // GROUP_N) * stride_wsn
+        else:
+            ws_lo = ws_base + (col0 // GROUP_N) * stride_wsn
+            if GLU:
+                ws_hi = ws_base + ((col0 + N) // GROUP_N) * stride_wsn
+            else:
+                ws_hi = ws_lo + stride_wsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kt * BLOCK_K
+        # Rows are always valid (padding rows read row 0), so only a ragged K needs masks.
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if FP8:
+            g = k0 // GROUP_K
+            a_s = tl.load(as_ptrs + g * stride_asg)
+            # NOTE: wgmma cannot apply per-row x per-column scales itself, so every K step waits for its product
+            # and scales it on the CUDA cores; one FMA per element (not a multiply and an FMA) keeps that short.
+            if WS_MODE == 1:
+                acc += tl.dot(a, w) * (a_s * tl.load(ws_lo + g * stride_wsk))[:, None]
+            elif WS_MODE == 2:
+                s_lo = a_s * tl.load(ws_lo + g * stride_wsk)
+                s_hi = a_s * tl.load(ws_hi + g * stride_wsk)
+                if GLU:  # tile columns alternate gate (lo), up (hi)
+                    s = tl.broadcast_to(tl.join(s_lo, s_hi)[:, None, :], (BLOCK_M, OUT_N, 2))
+                else:  # the tile's two 128-column halves
+                    s = tl.broadcast_to(tl.join(s_lo, s_hi)[:, :, None], (BLOCK_M, 2, GROUP_N))
+                acc += tl.dot(a, w) * tl.reshape(s, (BLOCK_M, BLOCK_N))
+            else:
+                acc += tl.dot(a, w) * a_s[:, None] * tl.load(ws_ptrs + g * stride_wsk)[None, :]
+        elif IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if GLU:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, OUT_N, 2)))
+        h = gate * tl.sigmoid(gate) * up  # SiLU(gate) * up, in fp32
+    else:
+        h = acc
+    return h
+
+
 # NOTE: token-dependent integers are not specialised, so a new batch size does not recompile (CUDA-graph
 # capture of many sizes, the tuner sweeping T).
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
@@ -45,17 +127,21 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
                       stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                       stride_om, stride_osm, stride_osg,
                       A_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
-                      QUANT_OUT: tl.constexpr, IEEE: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                      INV_FP8_MAX_C: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                      QUANT_OUT: tl.constexpr, IEEE: tl.constexpr, WS_MODE: tl.constexpr,
+                      FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr, GROUP_N: tl.constexpr,
+                      GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_N: tl.constexpr,
+                      SUB_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """out[pair, n] = f(A[pair // A_DIV] @ W[e]^T) for the BLOCK_M rows of one expert block.
 
     A (rows, K) (fp8 + (rows, K/128) scales, or bf16/fp32); W (E, N or 2N, K) (fp8 + (E, ./128, K/128) scales).
     GLU: W holds [gate; up] (2N rows) and f = SiLU(gate) * up. MUL_WEIGHT: f times the pair's routing weight.
-    QUANT_OUT: the result is written as fp8 with one fp32 scale per 128 columns (os_ptr)."""
+    QUANT_OUT: the result is written as fp8 with one fp32 scale per 128 columns (os_ptr). A program writes
+    SUB_N * OUT_N columns: SUB_N = 2 (QUANT_OUT only) runs two 64-column blocks back to back, so that a 128-column
+    scale group stays in one program while the accumulator stays small (2 CTAs per SM at 4 warps)."""
+    tl.static_assert(SUB_N == 1 or (QUANT_OUT and not MUL_WEIGHT and SUB_N * OUT_N == GROUP_N))
     pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
+    num_n = tl.cdiv(N, OUT_N * SUB_N)
+    # Grouped ordering: GROUP_M row blocks (mostly of one expert) share each weight tile while it is in L2.
     width = GROUP_M * num_n
     first_m = (pid // width) * GROUP_M
     group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
@@ -67,84 +153,50 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
 
     offs_tok = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     tok_ok = offs_tok < num_pairs
-    a_rows = (offs_tok // A_DIV).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    wg_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GLU:
-        wu_ptrs = wg_ptrs + N * stride_wn
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8:
-        as_ptrs = as_ptr + a_rows * stride_asm
-        wsg_ptrs = ws_ptr + e * stride_wse + (offs_n // GROUP_N) * stride_wsn
-        if GLU:
-            wsu_ptrs = ws_ptr + e * stride_wse + ((offs_n + N) // GROUP_N) * stride_wsn
-
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        k0 = kt * BLOCK_K
-        if EVEN_K:
-            a_mask = tok_ok[:, None]
-            w_mask = n_ok[None, :]
-        else:
-            k_ok = offs_k < K - k0
-            a_mask = tok_ok[:, None] & k_ok[None, :]
-            w_mask = k_ok[:, None] & n_ok[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
-        if GLU:
-            wu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
-        if FP8:
-            g = k0 // GROUP_K
-            a_s = tl.load(as_ptrs + g * stride_asg, mask=tok_ok, other=0.0)
-            acc_g += tl.dot(a, wg) * a_s[:, None] * tl.load(wsg_ptrs + g * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            if GLU:
-                acc_u += (tl.dot(a, wu) * a_s[:, None]
-                          * tl.load(wsu_ptrs + g * stride_wsk, mask=n_ok, other=0.0)[None, :])
-        elif IEEE:
-            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
-            if GLU:
-                acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, wg, acc_g)
-            if GLU:
-                acc_u = tl.dot(a, wu, acc_u)
-        a_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        if GLU:
-            wu_ptrs += BLOCK_K
-
-    if GLU:
-        h = acc_g * tl.sigmoid(acc_g) * acc_u  # SiLU(gate) * up, in fp32
-    else:
-        h = acc_g
+    # Padding rows read row 0 (valid memory, no masks in the K loop); they are never stored.
+    a_rows = tl.where(tok_ok, offs_tok // A_DIV, 0).to(tl.int64)
+    col0 = pid_n * (OUT_N * SUB_N)
+    h = _expert_block(a_ptr, as_ptr, w_ptr, ws_ptr, a_rows, e, col0, N, K, stride_am, stride_asm, stride_asg,
+                      stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, GLU, FP8, IEEE, WS_MODE, GROUP_N,
+                      GROUP_K, BLOCK_M, BLOCK_N, OUT_N, BLOCK_K, EVEN_K)
+    if SUB_N == 2:
+        h2 = _expert_block(a_ptr, as_ptr, w_ptr, ws_ptr, a_rows, e, col0 + OUT_N, N, K, stride_am, stride_asm,
+                           stride_asg, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, GLU, FP8, IEEE,
+                           WS_MODE, GROUP_N, GROUP_K, BLOCK_M, BLOCK_N, OUT_N, BLOCK_K, EVEN_K)
     if MUL_WEIGHT:
         h = h * tl.load(topk_w_ptr + offs_tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
 
     out_rows = offs_tok.to(tl.int64) * stride_om
+    offs_n = col0 + tl.arange(0, OUT_N)
+    st_mask = tok_ok[:, None] & (offs_n[None, :] < N)
     if QUANT_OUT:
-        # 1x128 quantization of the activation, as per_token_group_quant would do it (BLOCK_N % 128 == 0).
-        if BLOCK_N == GROUP_N:  # one group per tile (the default): a plain row reduction
+        # 1x128 quantization of the activation, as per_token_group_quant would do it.
+        if SUB_N == 2:  # the two halves of one group
+            amax = tl.maximum(tl.max(tl.abs(h), axis=1), tl.max(tl.abs(h2), axis=1))
+            scale = tl.maximum(amax, 1e-12) * INV_FP8_MAX_C  # (BLOCK_M,)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            q2 = tl.minimum(tl.maximum(tl.math.div_rn(h2, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            tl.store(os_ptr + offs_tok.to(tl.int64) * stride_osm + (col0 // GROUP_N) * stride_osg, scale,
+                     mask=tok_ok)
+            tl.store(out_ptr + out_rows[:, None] + (offs_n + OUT_N)[None, :], q2.to(out_ptr.dtype.element_ty),
+                     mask=tok_ok[:, None] & ((offs_n + OUT_N)[None, :] < N))
+        elif OUT_N == GROUP_N:  # one group per tile: a plain row reduction
             scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) * INV_FP8_MAX_C  # (BLOCK_M,)
             q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-            tl.store(os_ptr + offs_tok.to(tl.int64) * stride_osm + pid_n * stride_osg, scale, mask=tok_ok)
+            tl.store(os_ptr + offs_tok.to(tl.int64) * stride_osm + (col0 // GROUP_N) * stride_osg, scale,
+                     mask=tok_ok)
         else:
-            G: tl.constexpr = BLOCK_N // GROUP_N
+            G: tl.constexpr = OUT_N // GROUP_N
             hg = tl.reshape(h, (BLOCK_M, G, GROUP_N))
             scale = tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12) * INV_FP8_MAX_C  # (BLOCK_M, G)
             q = tl.minimum(tl.maximum(tl.math.div_rn(hg, scale[:, :, None]), -FP8_MAX_C), FP8_MAX_C)
-            q = tl.reshape(q, (BLOCK_M, BLOCK_N))
-            offs_g = pid_n * G + tl.arange(0, G)
+            q = tl.reshape(q, (BLOCK_M, OUT_N))
+            offs_g = col0 // GROUP_N + tl.arange(0, G)
             tl.store(os_ptr + offs_tok.to(tl.int64)[:, None] * stride_osm + offs_g[None, :] * stride_osg, scale,
                      mask=tok_ok[:, None] & (offs_g[None, :] * GROUP_N < N))
-        tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], q.to(out_ptr.dtype.element_ty),
-                 mask=tok_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], q.to(out_ptr.dtype.element_ty), mask=st_mask)
     else:
-        tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], h.to(out_ptr.dtype.element_ty),
-                 mask=tok_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], h.to(out_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -180,6 +232,32 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def gemm_geometry(cfg: dict, n: int, glu: bool, fp8: bool, quant_out: bool) -> dict:
+    """The constexprs a GEMM config implies. cfg["BLOCK_N"] counts weight rows per tile, as in vLLM/SGLang
+    configs: with GLU a tile yields BLOCK_N / 2 output columns (its gate and up rows interleaved)."""
+    out_n = cfg["BLOCK_N"] // 2 if glu else cfg["BLOCK_N"]
+    sub_n = 2 if quant_out and out_n == GROUP // 2 else 1
+    if quant_out:
+        assert (out_n * sub_n) % GROUP == 0 and n % GROUP == 0, \
+            "fused activation quantization needs 64 or a multiple of 128 output columns per tile"
+    # Weight-scale blocks a tile's rows span (tiles start at multiples of out_n): 1 or 2 let each K step apply
+    # them as per-row vectors; otherwise they are loaded per weight row (WS_MODE 0).
+    ws_mode = 0
+    if fp8 and glu:
+        ws_mode = 2 if GROUP % out_n == 0 and n % GROUP == 0 else 0
+    elif fp8 and GROUP % out_n == 0:
+        ws_mode = 1
+    elif fp8 and out_n == 2 * GROUP and n % out_n == 0:
+        ws_mode = 2
+    return dict(OUT_N=out_n, SUB_N=sub_n, WS_MODE=ws_mode)
+
+
+def gate_up_fuses_quant(cfg: dict, inter: int) -> bool:
+    """Whether this gate-up config writes the activation already quantized (fp8, 1x128 scales)."""
+    out_n = cfg["BLOCK_N"] // 2
+    return inter % GROUP == 0 and (out_n % GROUP == 0 or out_n == GROUP // 2)
+
+
 def invoke_fused_moe_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor,
                           w_scale: Optional[torch.Tensor], out: torch.Tensor, out_scale: Optional[torch.Tensor],
                           topk_weights: Optional[torch.Tensor], aligned: AlignedTokens, a_div: int, glu: bool,
@@ -190,13 +268,13 @@ def invoke_fused_moe_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: t
     fp8 = w.dtype == FP8_DTYPE
     quant_out = out.dtype == FP8_DTYPE
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
+    assert block_m == aligned.block_m, "the kernel's BLOCK_M must be the one the layout was padded to"
     if fp8:
         assert GROUP % cfg["BLOCK_K"] == 0, "a K tile must stay inside one scale group"
-    if quant_out:
-        assert cfg["BLOCK_N"] % GROUP == 0 and n % GROUP == 0, "fused activation quantization needs 128-col tiles"
+    geo = gemm_geometry(cfg, n, glu, fp8, quant_out)
     num_blocks_m = aligned.expert_ids.numel()
     dummy = out  # stands in for absent optional pointers (never read: the constexpr flags are off)
-    grid = (num_blocks_m * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (num_blocks_m * triton.cdiv(n, geo["OUT_N"] * geo["SUB_N"]),)
     _fused_moe_kernel[grid](
         a, a_scale if fp8 else dummy, w, w_scale if fp8 else dummy, out, out_scale if quant_out else dummy,
         topk_weights if topk_weights is not None else dummy,
@@ -208,9 +286,8 @@ def invoke_fused_moe_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: t
         out.stride(0), out_scale.stride(0) if quant_out else 0, out_scale.stride(1) if quant_out else 0,
         A_DIV=a_div, GLU=glu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, QUANT_OUT=quant_out,
         IEEE=a.dtype == torch.float32, FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX, GROUP_N=GROUP,
-        GROUP_K=GROUP,
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        GROUP_K=GROUP, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **geo)
 
 
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -231,13 +308,15 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     x = x if x.stride(1) == 1 else x.contiguous()
     aligned = align_tokens_layout(topk_ids, num_experts, block_m)
     pairs = aligned.num_pairs
-    fuse_quant = fp8 and cfg["gate_up"]["BLOCK_N"] % GROUP == 0 and inter % GROUP == 0
+    fuse_quant = fp8 and gate_up_fuses_quant(cfg["gate_up"], inter)
 
     if fp8:
         a, a_scale = per_token_group_quant(x)  # (T, H) fp8, (T, H/128)
     else:
         a, a_scale = x, None
-    act_dtype = FP8_DTYPE if fuse_quant else x.dtype
+    # A tile too narrow to fuse the 1x128 quantization writes the activation in fp32, so that the separate
+    # quantizer sees the values the fused epilogue would (a bf16 round trip first moves some fp8 codes).
+    act_dtype = FP8_DTYPE if fuse_quant else torch.float32 if fp8 else x.dtype
     act = torch.empty(pairs, inter, dtype=act_dtype, device=x.device)
     act_scale = (torch.empty(pairs, triton.cdiv(inter, GROUP), dtype=torch.float32, device=x.device)
                  if fuse_quant else None)

@@ -4,7 +4,8 @@ Decode: 128 and 16 heads (V3 on 1 and 8 GPUs), R 512, P 64, page sizes 64 and 16
 contexts up to 4096 with page-boundary lengths, pages in random order, unused page-table entries pointing at real
 pages (so reading one would change the result). Prefill: qk 192 / v 128, ragged, causal and not, rows without keys.
 bf16 is checked by the relative error of each row (Frobenius norm) <= 2e-2; fp32 (triton only) to 1e-4.
-Plus CUDA-graph capture/replay of the decode kernels after seq_lens / page_table change in place.
+Plus other triton decode tile configs (both page-table paths, deeper pipelines), and CUDA-graph capture/replay of
+the decode kernels after seq_lens / page_table change in place.
 flashinfer cases skip when it does not import.
 """
 
@@ -106,6 +107,45 @@ def test_mla_decode_triton_fp32_and_empty_rows():
                          num_splits=splits)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         assert torch.equal(out[2], torch.zeros_like(out[2]))  # no keys: 0
+
+
+# Stage-1 configs beside the defaults (block_h, block_n, num_warps, num_stages): the tile-in-page path (block_n
+# divides the page: 16 at both pages, 32 at page 64) and the per-row page path (32 at page 16), double- and
+# triple-buffered pipelines (5 and 7 stages), mma (block_h 16) and wgmma (block_h 64).
+TRITON_DECODE_TILES = [(16, 32, 4, 5), (16, 16, 4, 7), (64, 32, 8, 5)]
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("tile", TRITON_DECODE_TILES)
+def test_mla_decode_triton_configs(tile, page_size):
+    need("triton")
+    from pdserve.kernels.triton_mla_decode import DecodeConfig, mla_decode
+
+    heads = 128 if tile[0] == 64 else 16
+    q_lat, q_pe, kv, table, lens = decode_case(11, heads, page_size, 1100, torch.bfloat16, tile[1] + page_size)
+    ref = reference_decode(q_lat, q_pe, kv, table, lens, page_size)
+    for splits in (1, 3):  # one split writes the output directly; three go through the merge
+        out = torch.full_like(q_lat, float("nan"))
+        mla_decode(q_lat, q_pe, kv, table, lens, page_size, V3_SCALE, out=out, num_splits=splits,
+                   config=DecodeConfig(*tile))
+        err = rel_err_rows(out, ref)
+        print(f"triton decode {tile} page={page_size} splits={splits}: max row rel. error {err:.2e}")
+        assert err <= 2e-2
+
+
+def test_mla_decode_triton_compile_only_launches_nothing():
+    """What the benchmark's compile workers rely on: compile_only writes nothing; the real call then works."""
+    need("triton")
+    from pdserve.kernels.triton_mla_decode import DecodeConfig, mla_decode
+
+    q_lat, q_pe, kv, table, lens = decode_case(4, 16, 64, 300, torch.bfloat16, 3)
+    cfg = DecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=5)  # no other test uses it: a real compile
+    out = torch.full_like(q_lat, float("nan"))
+    mla_decode(q_lat, q_pe, kv, table, lens, 64, V3_SCALE, out=out, num_splits=2, config=cfg, compile_only=True)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+    mla_decode(q_lat, q_pe, kv, table, lens, 64, V3_SCALE, out=out, num_splits=2, config=cfg)
+    assert rel_err_rows(out, reference_decode(q_lat, q_pe, kv, table, lens, 64)) <= 2e-2
 
 
 def prefill_case(q_lens, kv_lens, heads, dtype, seed):

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from moe_checks import check_aligned_layout, moe_reference, rel_err  # noqa: E402
 from pdserve.kernels import GEMM_BACKENDS, MOE_BACKENDS  # noqa: E402
-from pdserve.kernels import moe_align, triton_fp8, triton_routing  # noqa: E402
+from pdserve.kernels import moe_align, triton_fp8, triton_moe_kernels, triton_routing  # noqa: E402
 from pdserve.kernels.gemm import FP8_DTYPE, block_dequant, block_quant, per_token_group_quant  # noqa: E402
 from pdserve.kernels.moe import RoutingConfig, select_experts  # noqa: E402
 from pdserve.kernels.triton_gemm import TritonGemm, scaled_mm_blockwise_available  # noqa: E402
@@ -136,6 +136,32 @@ def test_fused_moe_fp8_v3(fp8_experts, tokens):
     err, loose = rel_err(out, same_recipe), rel_err(out, unquantized)
     print(f"fp8 MoE T={tokens}: {err:.2e} vs the same FP8 recipe, {loose:.2e} vs unquantized activations")
     assert out.dtype == torch.bfloat16 and err < 1e-2 and loose < 8e-2
+
+
+def _gemm(block_n, warps, stages):
+    return dict(BLOCK_N=block_n, BLOCK_K=128, GROUP_M=16, num_warps=warps, num_stages=stages)
+
+
+# Every kernel variant the prefill sweep (benchmarks/tune_moe.py --space prefill) can pick, compiled for this GPU:
+# gate-up tiles of 128 weight rows (two 64-column blocks per program) or 256 (128 columns at once); down tiles with
+# one (128) or two (256) weight scales per K step; BLOCK_M 64 and 128; and 64-row gate-up tiles (quantized apart).
+@pytest.mark.parametrize("block_m,gate_up,down", [
+    (64, _gemm(128, 4, 3), _gemm(128, 4, 4)),
+    (64, _gemm(256, 8, 4), _gemm(256, 8, 3)),
+    (128, _gemm(128, 8, 4), _gemm(128, 8, 3)),
+    (64, _gemm(64, 4, 3), _gemm(64, 4, 4)),
+], ids=["m64-n128", "m64-n256", "m128-n128", "m64-n64"])
+def test_fused_moe_fp8_v3_tile_variants(fp8_experts, block_m, gate_up, down):
+    w13, w2, s13, s2 = fp8_experts
+    tokens = 512
+    weights, ids = v3_routing(tokens, 11)
+    x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16)
+    cfg = {"BLOCK_M": block_m, "gate_up": gate_up, "down": down}
+    out = triton_moe_kernels.fused_experts(x, weights, ids, w13, w2, s13, s2, config=cfg)
+    ref = moe_reference(x, weights, ids, w13, w2, s13, s2, quantize_activations=True)
+    err = rel_err(out, ref)
+    print(f"fp8 MoE T={tokens} {cfg}: {err:.2e} vs the same FP8 recipe")
+    assert out.dtype == torch.bfloat16 and err < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [16, 128])

@@ -38,7 +38,8 @@ if _TRITON_ALREADY_COMPILED:
         assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
 else:
     from pdserve.kernels import triton_attention  # noqa: F401  (registers "triton")
-    from pdserve.kernels.triton_mla_decode import DecodeConfig, choose_num_splits, mla_decode
+    from pdserve.kernels.triton_mla_decode import (MAX_SPLITS, MIN_TOKENS_PER_SPLIT, DecodeConfig,
+                                                   choose_num_splits, mla_decode)
     from pdserve.kernels.triton_ragged_prefill import PrefillConfig, ragged_prefill, split_head_dim
 
     REF = TorchAttention()
@@ -79,13 +80,17 @@ else:
             mla_decode(q_lat, q_pe, kv, table, lens, page_size, 0.2, out=out, num_splits=splits)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, msg=f"num_splits={splits}")
 
-    def test_mla_decode_small_tiles_and_int32_indices():
-        """Tiles smaller than a page and pages smaller than a tile, int32 page table and lengths."""
-        q_lat, q_pe, kv, table, lens = paged_case(16, [5, 16, 50], 4, 32, 16, torch.float32, 7)
-        ref = reference_decode(q_lat, q_pe, kv, table, lens, 16, 0.3)
-        for cfg in (DecodeConfig(block_h=16, block_n=16), DecodeConfig(block_h=32, block_n=64)):
-            out = mla_decode(q_lat, q_pe, kv, table.int(), lens.int(), 16, 0.3, config=cfg, num_splits=2)
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    @pytest.mark.parametrize("page_size", [16, 64])
+    def test_mla_decode_small_tiles_and_int32_indices(page_size):
+        """Tiles inside a page (one page-table load per tile; at page 64 four tiles per page, lengths ending inside
+        any of them) and pages smaller than a tile (one per row), int32 page table and lengths."""
+        q_lat, q_pe, kv, table, lens = paged_case(page_size, [5, 16, 50, 100, 129], 4, 32, 16, torch.float32, 7)
+        ref = reference_decode(q_lat, q_pe, kv, table, lens, page_size, 0.3)
+        for cfg in (DecodeConfig(block_h=16, block_n=16), DecodeConfig(block_h=32, block_n=128)):
+            for splits in (1, 2):
+                out = mla_decode(q_lat, q_pe, kv, table.int(), lens.int(), page_size, 0.3, config=cfg,
+                                 num_splits=splits)
+                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
     def test_mla_decode_fp16_and_odd_rope():
         """fp16 in, fp16 out (fp32 accumulation); rope 8 is padded to the 16-wide tile (the reference test's shape)."""
@@ -109,10 +114,20 @@ else:
         torch.testing.assert_close(out, reference_decode(q_lat, q_pe, kv, table, lens, 4, 0.2), rtol=1e-4, atol=1e-4)
 
     def test_choose_num_splits_depends_on_shapes_only():
-        assert choose_num_splits(64, 16, 64, 64, 16, 132) == 5  # V3 TP8 decode, 4096 tokens: 320 programs
-        assert choose_num_splits(64, 128, 64, 64, 64, 132) == 3
-        assert choose_num_splits(1, 16, 1, 16, 16, 132) == 1  # capacity below one split's worth
-        assert choose_num_splits(256, 128, 256, 16, 16, 132) == 1  # enough programs already
+        knobs = dict(programs_per_sm=2, min_tokens_per_split=512)  # explicit: the defaults are the sweep's to pick
+        assert choose_num_splits(64, 16, 64, 64, 16, 132, **knobs) == 5  # V3 TP8 decode, 4096 tokens: 320 programs
+        assert choose_num_splits(64, 128, 64, 64, 64, 132, **knobs) == 3
+        assert choose_num_splits(1, 16, 1, 16, 16, 132, **knobs) == 1  # capacity below one split's worth
+        assert choose_num_splits(256, 128, 256, 16, 16, 132, **knobs) == 1  # enough programs already
+        assert choose_num_splits(64, 16, 64, 64, 16, 132, programs_per_sm=8, min_tokens_per_split=256) == 16
+        assert choose_num_splits(64, 16, 64, 64, 16, 132, programs_per_sm=1.5, min_tokens_per_split=512) == 4
+        assert choose_num_splits(64, 128, 64, 64, 64, 132, programs_per_sm=0.5, min_tokens_per_split=512) == 1
+        for batch in (1, 7, 64, 300):  # the module's defaults: within bounds, splits of >= MIN_TOKENS_PER_SPLIT
+            for max_pages in (1, 5, 64, 2048):
+                splits = choose_num_splits(batch, 16, max_pages, 64, 16, 132)
+                assert 1 <= splits <= min(max_pages, MAX_SPLITS)
+                assert splits == 1 or -(-max_pages // splits) * 64 >= MIN_TOKENS_PER_SPLIT
+                assert -(-max_pages // -(-max_pages // splits)) == splits  # no split left empty
 
     def ragged_case(q_lens, kv_lens, heads, dqk, dv, seed):
         gen = torch.Generator().manual_seed(seed)

@@ -20,7 +20,16 @@ import torch
 # already imported compiled, the module reruns itself in a fresh process.
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/test_gpu_moe_gemm.py runs these kernels compiled", allow_module_level=True)
-_TRITON_ALREADY_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _triton_imported_compiled() -> bool:
+    # NOTE: asks triton itself, not TRITON_INTERPRET: an earlier test module may have set the variable after
+    # something (transformers' DeepSeek-V3 model) had already imported triton compiled.
+    language = sys.modules.get("triton.language")
+    return language is not None and type(language.max).__name__ != "InterpretedFunction"
+
+
+_TRITON_ALREADY_COMPILED = _triton_imported_compiled()
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
@@ -240,20 +249,50 @@ def test_fused_moe_fp8_matches_quantized_reference(tokens, top_k, hidden):
     assert rel_err(out, ref) < 8e-2
 
 
-def test_fused_moe_fp8_unfused_activation_quant_and_configs():
-    """BLOCK_N = 64 in the gate-up GEMM cannot fuse the 1x128 quantization: the separate kernel takes over."""
-    gen = torch.Generator().manual_seed(5)
-    w13, w2 = _experts(8, 128, 256, gen)
+# (I, H, BLOCK_M, gate-up BLOCK_N, down BLOCK_N) -> the kernel variant each GEMM takes (gemm_geometry): the
+# activation columns per tile and per program, and how the weight scales are applied per K step (WS_MODE).
+TILE_VARIANTS = [
+    # gate-up 32 columns: quantized by the separate kernel; down: one weight scale per K step
+    ((256, 128, 16, 64, 64), dict(OUT_N=32, SUB_N=1, WS_MODE=2), dict(OUT_N=64, SUB_N=1, WS_MODE=1)),
+    # gate-up 64-column blocks run twice per program to fuse the 128-column quantization (the 4-warp default)
+    ((256, 128, 16, 128, 128), dict(OUT_N=64, SUB_N=2, WS_MODE=2), dict(OUT_N=128, SUB_N=1, WS_MODE=1)),
+    # gate-up 128 columns at once; down 256 columns: two weight-scale blocks per K step
+    ((128, 256, 32, 256, 256), dict(OUT_N=128, SUB_N=1, WS_MODE=2), dict(OUT_N=256, SUB_N=1, WS_MODE=2)),
+    # gate-up 256 columns (two quantization groups per tile, scales per weight row); down: ragged last tile of H=384
+    ((256, 384, 16, 512, 256), dict(OUT_N=256, SUB_N=1, WS_MODE=0), dict(OUT_N=256, SUB_N=1, WS_MODE=0)),
+    # I = 192: gate and up rows share a scale block (per-row scales), quantized apart; ragged K = 200 and K = 192
+    ((192, 200, 16, 128, 128), dict(OUT_N=64, SUB_N=1, WS_MODE=0), dict(OUT_N=128, SUB_N=1, WS_MODE=1)),
+]
+
+
+@pytest.mark.parametrize("shape,gate_up_geo,down_geo", TILE_VARIANTS,
+                         ids=["I{}-H{}-M{}-gate_up{}-down{}".format(*v[0]) for v in TILE_VARIANTS])
+def test_fused_moe_fp8_tile_variants(shape, gate_up_geo, down_geo):
+    """Every way a config can tile the two GEMMs, against the same FP8 recipe in fp64."""
+    inter, hidden, block_m, gate_up_n, down_n = shape
+    gen = torch.Generator().manual_seed(inter + hidden + gate_up_n)
+    w13, w2 = _experts(8, hidden, inter, gen)
     (w13q, s13), (w2q, s2) = block_quant(w13), block_quant(w2)
-    x = torch.randn(6, 128, generator=gen)
+    x = torch.randn(6, hidden, generator=gen)
     ids = _random_ids(6, 3, 8, gen)
     weights = torch.rand(6, 3, generator=gen)
-    ref = fp8_moe_reference(x, weights, ids, w13q, s13, w2q, s2)
-    gemm = dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
-    for cfg in ({"BLOCK_M": 16, "gate_up": gemm, "down": gemm},
-                {"BLOCK_M": 32, "gate_up": dict(gemm, BLOCK_N=256, BLOCK_K=128), "down": gemm}):
-        out = triton_moe_kernels.fused_experts(x, weights, ids, w13q, w2q, s13, s2, config=cfg)
-        assert rel_err(out, ref) < 2e-3
+    cfg = {"BLOCK_M": block_m, "gate_up": dict(BLOCK_N=gate_up_n, BLOCK_K=128, GROUP_M=2, num_warps=4, num_stages=2),
+           "down": dict(BLOCK_N=down_n, BLOCK_K=128, GROUP_M=2, num_warps=4, num_stages=2)}
+    fused = triton_moe_kernels.gate_up_fuses_quant(cfg["gate_up"], inter)
+    assert triton_moe_kernels.gemm_geometry(cfg["gate_up"], inter, True, True, fused) == gate_up_geo
+    assert triton_moe_kernels.gemm_geometry(cfg["down"], hidden, False, True, False) == down_geo
+    out = triton_moe_kernels.fused_experts(x, weights, ids, w13q, w2q, s13, s2, config=cfg)
+    assert rel_err(out, fp8_moe_reference(x, weights, ids, w13q, s13, w2q, s2)) < 2e-3
+
+
+def test_fused_moe_gemm_refuses_a_layout_padded_for_another_block_m():
+    gen = torch.Generator().manual_seed(4)
+    w13, _ = _experts(8, 128, 128, gen)
+    aligned = moe_align.align_tokens_layout(_random_ids(5, 2, 8, gen), 8, 16)
+    gemm = dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2)
+    with pytest.raises(AssertionError, match="BLOCK_M"):
+        triton_moe_kernels.invoke_fused_moe_gemm(torch.randn(5, 128), None, w13, None, torch.empty(10, 128), None,
+                                                 None, aligned, 2, True, 32, gemm)
 
 
 def test_fused_moe_gemms_write_every_pair_row():
