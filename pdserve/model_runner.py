@@ -108,14 +108,18 @@ class ModelRunner:
         h = self.model(batch, self.pool.kv)  # (rows, D)
         return h, self.model.logits(h)
 
-    def mtp_rows(self, rows: list[TokenRow], prev_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_rows(self, rows: list[TokenRow], prev_hidden: torch.Tensor,
+                 patch: Optional[Callable[[torch.Tensor], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over token rows: row i takes token t_{p+1} at position p and prev_hidden[i] (h_p).
-        Returns (draft logits (rows, vocab) fp32, MTP hidden (rows, D))."""
-        replayed = self._replay(self.mtp_graphs, rows, prev_hidden)
+        patch(input_ids) as in target_rows. Returns (draft logits (rows, vocab) fp32, MTP hidden (rows, D))."""
+        replayed = self._replay(self.mtp_graphs, rows, prev_hidden, patch)
         if replayed is not None:
             h, logits = replayed
             return logits.clone(), h.clone()  # draft states outlive the next replay
-        return self.model.mtp_forward(self.rows_batch(rows), prev_hidden, self.pool.kv)
+        batch = self.rows_batch(rows)
+        if patch is not None:
+            patch(batch.input_ids)
+        return self.model.mtp_forward(batch, prev_hidden, self.pool.kv)
 
     def mtp_draft_chain(self, rows: list[TokenRow], prev_hidden: torch.Tensor, steps: int,
                         first: torch.Tensor) -> torch.Tensor:

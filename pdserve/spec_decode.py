@@ -18,9 +18,10 @@ last hidden state, before the final norm, whose logits produced t_{n-1}):
            true hidden states, which refreshes its KV where the drafts had used its own approximate hidden, and
            whose last row is step 1 of the next round (kept in the request's DraftState).
 
-Order on the device, greedy rounds: verify (the round's one device-to-host read) -> extend -> the next round's
-draft chain, both queued before the host appends tokens, detokenizes and schedules, so that host work hides
-behind them; the next verification then finds its drafts ready (DraftState.drafts).
+Order on the device, greedy rounds: verify -> extend over all k+1 positions (with the target's own tokens, queued
+before the round's one device-to-host read, so the GPU works while the host wakes and accepts) -> the next round's
+draft chain (queued right after acceptance, before the host appends tokens, detokenizes and schedules). Host work
+thus hides behind the GPU's, and the next verification finds its drafts ready (DraftState.drafts).
 
 KV beyond the accepted length (target and MTP layer) is simply not counted as computed and is rewritten by a
 later round before anything attends to it; the scheduler returns the unused pages. The MTP layer only shapes the
@@ -98,6 +99,9 @@ class Verified:
     row: SpecDecode
     tokens: list[int]  # accepted drafts plus one target token (1..k+1 tokens)
     hidden: torch.Tensor  # (len(tokens), D): target hidden at positions n-1..n-2+len(tokens)
+    # The next round's draft step 1 (MTP logits (vocab,), MTP hidden (D,)) when the extend already ran (greedy
+    # rounds run it before their device-to-host read); None: extend() computes it.
+    step1: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 @dataclass
@@ -208,21 +212,25 @@ class NextNSpeculator:
     def extend(self, verified: list[Verified], stats: Optional[SpecRoundStats] = None) -> None:
         """The draft extend, called right after acceptance and before the tokens are appended, so that it is queued
         on the device while the host appends, detokenizes and schedules: the MTP layer over the emitted positions
-        with the target's hidden states; its last row is the next round's step 1. (A row whose request then
-        finishes, on a stop token, a stop string or its length, only wasted its share of one forward.)"""
+        with the target's hidden states; its last row is the next round's step 1. Rows whose verification already
+        ran it (Verified.step1, greedy rounds) skip the forward. (A row whose request then finishes, on a stop
+        token, a stop string or its length, only wasted its share of one forward.)"""
         if not verified:
             return
         start = time.perf_counter()
-        rows: list[TokenRow] = []
-        for v in verified:  # positions n-1 .. n-2+len(tokens), each with the token after it
-            req = v.row.request
-            rows += [TokenRow(req, req.num_tokens - 1 + i, tok) for i, tok in enumerate(v.tokens)]
-        logits, h = self.runner.mtp_rows(rows, torch.cat([v.hidden for v in verified]))
-        ends = list(itertools.accumulate(len(v.tokens) for v in verified))
+        todo = [v for v in verified if v.step1 is None]
+        if todo:
+            rows: list[TokenRow] = []
+            for v in todo:  # positions n-1 .. n-2+len(tokens), each with the token after it
+                req = v.row.request
+                rows += [TokenRow(req, req.num_tokens - 1 + i, tok) for i, tok in enumerate(v.tokens)]
+            logits, h = self.runner.mtp_rows(rows, torch.cat([v.hidden for v in todo]))
+            for v, end in zip(todo, itertools.accumulate(len(v.tokens) for v in todo)):
+                v.step1 = logits[end - 1], h[end - 1]
         states = []
-        for v, end in zip(verified, ends):
+        for v in verified:
             req = v.row.request
-            req.spec = DraftState(req.num_tokens + len(v.tokens), v.hidden[-1], logits[end - 1], h[end - 1])
+            req.spec = DraftState(req.num_tokens + len(v.tokens), v.hidden[-1], *v.step1)
             states.append(req.spec)
         self._chain_ahead(verified, states)
         if stats is not None:
@@ -323,9 +331,23 @@ class NextNSpeculator:
             input_ids.view(b, k + 1)[:, 1:].copy_(drafts_dev)
 
         hidden, logits = self.runner.target_rows(vrows, put_drafts)  # (b*(k+1), D), (b*(k+1), vocab)
-        host = torch.cat([drafts_dev.flatten(), logits.argmax(dim=-1)]).tolist()
+        target = logits.argmax(dim=-1)  # (b*(k+1),)
+
+        def put_targets(input_ids: torch.Tensor) -> None:  # the MTP row at position p takes t_{p+1}
+            input_ids.copy_(target)
+
+        # The draft extend, queued BEFORE the device-to-host read so that the GPU runs it while the host wakes up
+        # and accepts: over all k+1 positions, each with the target's token after it, which up to the accepted
+        # length are exactly the emitted tokens. Rows past it write MTP KV at positions >= n'-1 (n' = the new
+        # length), which the next chain or extend rewrites before anything reads it.
+        ext_logits, ext_hidden = self.runner.mtp_rows(vrows, hidden, put_targets)
+        host = torch.cat([drafts_dev.flatten(), target]).tolist()
         drafts = [host[i * k:(i + 1) * k] for i in range(b)]
-        return self._accept_rows(rows, drafts, [[] for _ in rows], host[b * k:], logits, hidden), drafts
+        verified = self._accept_rows(rows, drafts, [[] for _ in rows], host[b * k:], logits, hidden)
+        for i, v in enumerate(verified):
+            last = i * (k + 1) + len(v.tokens) - 1  # the row of the last emitted token's input position
+            v.step1 = ext_logits[last], ext_hidden[last]
+        return verified, drafts
 
     def _verify(self, rows: list[SpecDecode], drafts: list[list[int]],
                 draft_probs: list[list[torch.Tensor]]) -> list[Verified]:

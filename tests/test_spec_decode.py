@@ -87,8 +87,8 @@ def oracle_drafts(engine, sequences: dict[tuple[int, ...], list[int]], miss_ever
     real = engine.runner.mtp_rows
     vocab = engine.model_config.vocab_size
 
-    def mtp_rows(rows, prev_hidden):
-        logits, hidden = real(rows, prev_hidden)
+    def mtp_rows(rows, prev_hidden, patch=None):
+        logits, hidden = real(rows, prev_hidden, patch)
         logits = logits.clone()
         for i, row in enumerate(rows):
             seq = sequences.get(tuple(row.request.prompt_ids))
@@ -295,8 +295,8 @@ def record_mtp_rows(engine) -> list[tuple[list, torch.Tensor]]:
     """Log (rows, draft logits) of every MTP row batch the speculator runs."""
     calls, real = [], engine.runner.mtp_rows
 
-    def mtp_rows(rows, prev_hidden):
-        logits, hidden = real(rows, prev_hidden)
+    def mtp_rows(rows, prev_hidden, patch=None):
+        logits, hidden = real(rows, prev_hidden, patch)
         calls.append(([(r.position, r.token) for r in rows], logits.clone()))
         return logits, hidden
 
