@@ -1,13 +1,49 @@
-"""RMSNorm and rotary embedding (DeepSeek's YaRN variant): torch references used by every backend for now."""
+"""RMSNorm and rotary embedding (DeepSeek's YaRN variant): the torch references, and the dispatch that sends CUDA
+tensors to one-kernel Triton versions (triton_norm_rope.py), which matter at decode sizes where every small op is
+a launch. PDSERVE_TORCH_NORM_ROPE=1 keeps CUDA on the references (to compare, or to rule the kernels out)."""
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 
+from .triton_support import triton_installed
+
+
+@functools.lru_cache(maxsize=None)
+def _fused():
+    """The Triton module, or None (no triton, or PDSERVE_TORCH_NORM_ROPE=1). Imported on first CUDA use only."""
+    if os.environ.get("PDSERVE_TORCH_NORM_ROPE", "0") == "1" or not triton_installed():
+        return None
+    from . import triton_norm_rope
+
+    return triton_norm_rope
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """The kernels have no backward: anything autograd would track stays on the references."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and x.stride(-1) == 1 and not _needs_grad(x, weight) and _fused() is not None:
+        return _fused().rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate x (tokens, heads, dim) by per-token angles; see apply_rope_reference."""
+    half = x.shape[-1] // 2
+    if (x.is_cuda and x.dim() == 3 and x.stride(-1) == 1 and half & (half - 1) == 0 and cos.stride(-1) == 1
+            and sin.stride(-1) == 1 and not _needs_grad(x) and _fused() is not None):
+        return _fused().apply_rope(x, cos, sin, interleave)
+    return apply_rope_reference(x, cos, sin, interleave)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32, cast back, then scale: the same rounding order as DeepSeek's and transformers' RMSNorm.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -39,7 +75,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: float) 
     return freqs.cos() * scale, freqs.sin() * scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """Rotate x (tokens, heads, dim) by per-token angles; cos/sin are (tokens, dim/2).
 
     interleave=True rotates pairs (x0, x1), (x2, x3), ... and returns them de-interleaved

@@ -4,7 +4,7 @@
 # anything imports triton: triton fixes interpreted-or-compiled at its first import.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-interp=(tests/test_triton_attention_interpret.py tests/test_triton_moe_gemm_interpret.py)
+interp=(tests/test_triton_attention_interpret.py tests/test_triton_moe_gemm_interpret.py tests/test_triton_norm_rope_interpret.py)
 ignore=()
 for f in "${interp[@]}"; do ignore+=(--ignore="$f"); done
 python3 -m pytest -q "${ignore[@]}" "$@"

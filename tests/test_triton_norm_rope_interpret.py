@@ -1,0 +1,48 @@
+"""The fused RMSNorm and RoPE kernels against the torch references, on the CPU under Triton's interpreter
+(see tests/test_triton_attention_interpret.py for why TRITON_INTERPRET is set here, at collection)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/test_gpu_norm_rope.py runs these kernels compiled", allow_module_level=True)
+_TRITON_ALREADY_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from tests.norm_rope_checks import check_rms_norm, check_rope  # noqa: E402
+
+if _TRITON_ALREADY_COMPILED:
+    def test_interpreted_in_a_fresh_process():
+        """Something imported triton compiled before this module: run this module alone, interpreted."""
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+else:
+    from pdserve.kernels import triton_norm_rope as fused
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("rows,dim,strided", [(1, 32, False), (5, 48, True), (3, 256, True)])
+    def test_rms_norm_matches_reference(rows, dim, strided, dtype):
+        # fp32: the sum order and rsqrt differ in the last bits; fp16: at most one rounding step apart
+        assert check_rms_norm(fused, rows, dim, dtype, "cpu", strided=strided) <= (64 if dtype == torch.float32 else 1)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("interleave", [True, False])
+    @pytest.mark.parametrize("tokens,heads,dim", [(1, 1, 8), (4, 3, 16), (2, 5, 64)])
+    def test_rope_matches_reference(tokens, heads, dim, interleave, dtype):
+        # every product and sum is rounded to dtype as in the reference: the interpreter matches it exactly
+        assert check_rope(fused, tokens, heads, dim, dtype, "cpu", interleave) == 0.0
+
+    def test_empty_inputs():
+        x = torch.empty(0, 3, 16)
+        cos = sin = torch.empty(0, 8)
+        assert fused.apply_rope(x, cos, sin, True).shape == (0, 3, 16)
+        assert fused.rms_norm(torch.empty(0, 32), torch.ones(32), 1e-6).shape == (0, 32)
