@@ -8,7 +8,7 @@ import torch
 
 from pdserve.kernels.norm_rope import apply_rope, apply_rope_reference, rms_norm, rms_norm_reference
 from pdserve.kernels.triton_support import triton_installed
-from tests.norm_rope_checks import check_rms_norm, check_rope, norm_case, rope_case, rope_error
+from norm_rope_checks import check_rms_norm, check_rope, norm_case, rope_case, rope_error
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or not triton_installed():

@@ -5,37 +5,23 @@ ids that must never be read, non-contiguous views, rows with no keys, outputs po
 fp32 to 1e-4, fp16 to 1e-2, bf16 by each row's relative error <= 2e-2 (through tests/triton_interpreter.py, since
 the bare interpreter's tl.dot multiplies bf16 bit patterns).
 
-NOTE: Triton picks compiled vs interpreted when it is first imported, so TRITON_INTERPRET=1 is set here at
-collection, before anything imports triton (pdserve.kernels does not import it). On a machine with CUDA this
-module skips itself without setting it, so GPU tests in the same pytest run stay compiled. If triton was already
-imported without the interpreter, the tests rerun themselves in a fresh process.
+tests/interpreter_mode.py sets TRITON_INTERPRET=1 at collection (or reruns this module in a fresh process).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: tests/test_gpu_attention.py runs these kernels compiled", allow_module_level=True)
-_TRITON_ALREADY_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from interpreter_mode import enter_interpreter
+
+rerun = enter_interpreter(__file__, "tests/test_gpu_attention.py")
 
 from pdserve.kernels import ATTENTION_BACKENDS  # noqa: E402
 from pdserve.kernels.attention import TorchAttention, merge_state  # noqa: E402
 
-if _TRITON_ALREADY_COMPILED:
-    def test_interpreted_in_a_fresh_process():
-        """Something imported triton compiled before this module: run this module alone, interpreted."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+if rerun is not None:
+    test_interpreted_in_a_fresh_process = rerun
 else:
     from pdserve.kernels import triton_attention  # noqa: F401  (registers "triton")
     from pdserve.kernels.triton_mla_decode import (MAX_SPLITS, MIN_TOKENS_PER_SPLIT, DecodeConfig,

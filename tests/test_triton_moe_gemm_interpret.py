@@ -7,31 +7,14 @@ which tests the layouts it builds with the same align helper the Triton kernels 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-# NOTE: Triton picks compiled vs interpreted when it is first imported (its own tl.max / tl.sum included), so
-# TRITON_INTERPRET=1 is set here, at collection, before anything imports triton (pdserve.kernels does not). With
-# CUDA present this module skips without setting it, so GPU tests in the same run stay compiled; if triton was
-# already imported compiled, the module reruns itself in a fresh process.
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: tests/test_gpu_moe_gemm.py runs these kernels compiled", allow_module_level=True)
+from interpreter_mode import enter_interpreter
 
-
-def _triton_imported_compiled() -> bool:
-    # NOTE: asks triton itself, not TRITON_INTERPRET: an earlier test module may have set the variable after
-    # something (transformers' DeepSeek-V3 model) had already imported triton compiled.
-    language = sys.modules.get("triton.language")
-    return language is not None and type(language.max).__name__ != "InterpretedFunction"
-
-
-_TRITON_ALREADY_COMPILED = _triton_imported_compiled()
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+rerun = enter_interpreter(__file__, "tests/test_gpu_moe_gemm.py")
+if rerun is not None:
+    test_interpreted_in_a_fresh_process = rerun
 
 import torch.nn.functional as F  # noqa: E402
 
@@ -42,18 +25,10 @@ from pdserve.kernels.moe import RoutingConfig, TorchMoE, select_experts  # noqa:
 from moe_checks import check_aligned_layout, moe_reference, rel_err  # noqa: E402
 from triton_interpreter import exact_interpreter  # noqa: E402
 
-if _TRITON_ALREADY_COMPILED:
-    def test_interpreted_in_a_fresh_process():
-        """Something imported triton compiled before this module: run this module alone, interpreted."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-
 
 @pytest.fixture(autouse=True)
 def _interpreter_only(request):
-    if _TRITON_ALREADY_COMPILED and request.node.name != "test_interpreted_in_a_fresh_process":
+    if rerun is not None and request.node.name != "test_interpreted_in_a_fresh_process":
         pytest.skip("triton was imported compiled before this module; test_interpreted_in_a_fresh_process reruns it")
 
 

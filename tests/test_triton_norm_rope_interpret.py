@@ -1,31 +1,18 @@
 """The fused RMSNorm and RoPE kernels against the torch references, on the CPU under Triton's interpreter
-(see tests/test_triton_attention_interpret.py for why TRITON_INTERPRET is set here, at collection)."""
+(tests/interpreter_mode.py sets TRITON_INTERPRET at collection)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: tests/test_gpu_norm_rope.py runs these kernels compiled", allow_module_level=True)
-_TRITON_ALREADY_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from interpreter_mode import enter_interpreter
 
-from tests.norm_rope_checks import check_rms_norm, check_rope  # noqa: E402
-
-if _TRITON_ALREADY_COMPILED:
-    def test_interpreted_in_a_fresh_process():
-        """Something imported triton compiled before this module: run this module alone, interpreted."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+rerun = enter_interpreter(__file__, "tests/test_gpu_norm_rope.py")
+if rerun is not None:
+    test_interpreted_in_a_fresh_process = rerun
 else:
+    from norm_rope_checks import check_rms_norm, check_rope
     from pdserve.kernels import triton_norm_rope as fused
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
