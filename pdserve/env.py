@@ -89,9 +89,15 @@ def apply_env_defaults(parser: argparse.ArgumentParser, command: str,
     return applied
 
 
+# The PDSERVE_* names that are no flag's: diagnostic switches read where they act.
+DIAGNOSTIC_VARIABLES = {
+    "PDSERVE_TORCH_NORM_ROPE": "1 keeps RMSNorm and RoPE on CUDA on the torch references (kernels/norm_rope.py)",
+}
+
+
 def known_variables(parser: argparse.ArgumentParser) -> set[str]:
-    """Every PDSERVE_* name that some command's flag reads."""
-    names = set()
+    """Every PDSERVE_* name that some command's flag reads, and the diagnostic switches."""
+    names = set(DIAGNOSTIC_VARIABLES)
     for sub in [parser, *_subparsers(parser).values()]:
         names |= {variable_for(o) for o in map(_long_option, sub._actions) if o}
     return names

@@ -69,11 +69,12 @@ def test_bad_values_name_the_variable(variable, value, says):
 
 
 def test_cli_reports_bad_and_unknown_variables():
-    env = {**os.environ, "PDSERVE_PORT": "abc", "PDSERVE_REDIS_ULR": "redis://typo"}
+    env = {**os.environ, "PDSERVE_PORT": "abc", "PDSERVE_REDIS_ULR": "redis://typo", "PDSERVE_TORCH_NORM_ROPE": "1"}
     out = subprocess.run([sys.executable, "-m", "pdserve", "healthcheck"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "PDSERVE_PORT='abc'" in out.stderr
     assert "ignoring PDSERVE_REDIS_ULR" in out.stderr  # a typo is not silently dropped
+    assert "PDSERVE_TORCH_NORM_ROPE" not in out.stderr  # a diagnostic switch, read by kernels/norm_rope.py
 
 
 def test_known_variables_cover_the_serving_flags():
