@@ -148,7 +148,8 @@ class ModelRunner:
         bucket = graphs.bucket_for(len(rows), width, chain)
         if bucket is None:
             return None
-        return graphs.replay_packed(self.pack_rows(rows, bucket, width), prev_hidden, patch, chain)
+        packed = self.pack_rows(rows, bucket, graphs.packed_width(bucket, width))
+        return graphs.replay_packed(packed, prev_hidden, patch, chain)
 
     def pack_rows(self, rows: list[TokenRow], num_rows: int, width: int) -> PackedRows:
         """The rows in a graph's input layout, padded to num_rows, page tables `width` pages wide, on the host
@@ -164,9 +165,7 @@ class ModelRunner:
             flat += r.request.pages
             flat += [scratch] * (width - len(r.request.pages))
         flat += [scratch] * (width * pad)
-        host = torch.tensor(flat, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
+        host = torch.tensor(flat, dtype=torch.long, pin_memory=self.device.type == "cuda")
         return PackedRows(host, len(rows), num_rows, width)
 
     def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
