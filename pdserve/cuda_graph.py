@@ -56,25 +56,18 @@ class PackedRows:
         return self.host[4 * self.rows:].view(self.rows, self.width)
 
 
-FULL_TABLE_ENTRIES = 4096  # bucket rows x max pages up to which a packed batch carries the whole page table
-
-
 class _Graph:
     def __init__(self, bs: int, max_pages: int, hidden: int, scratch_page: int, page_size: int,
                  device: torch.device, hidden_dtype: Optional[torch.dtype] = None):
         self.bs = bs
         scratch_slot = scratch_page * page_size
-        # All inputs in one buffer laid out like PackedRows: a header (4, bs) of per-row values, then the page table
-        # (bs, max_pages); a packed batch as wide as the table fills everything in one copy.
-        self.inputs = torch.empty(4 * bs + bs * max_pages, dtype=torch.long, device=device)
-        self.header = self.inputs[: 4 * bs].view(4, bs)
+        # One (4, bs) buffer for the per-row inputs, so that a packed batch fills it in one copy.
+        self.header = torch.ones(4, bs, dtype=torch.long, device=device)
         self.input_ids, self.positions, self.out_slots, self.seq_lens = self.header.unbind(0)
         self.input_ids.zero_()
         self.positions.zero_()
         self.out_slots.fill_(scratch_slot)
-        self.seq_lens.fill_(1)
-        self.page_table = self.inputs[4 * bs:].view(bs, max_pages)
-        self.page_table.fill_(scratch_page)
+        self.page_table = torch.full((bs, max_pages), scratch_page, dtype=torch.long, device=device)
         self.table_width = 0  # columns of page_table that may hold real pages (the rest: the scratch page)
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
         # The MTP layer's second input, h_i of the target (None for target graphs).
@@ -108,14 +101,9 @@ class _Graph:
             self.page_table[n:].fill_(self.scratch_page)
 
     def fill_packed(self, packed: PackedRows, prev_hidden: Optional[torch.Tensor] = None) -> None:
-        """One copy when the packed page table is as wide as the graph's, else two (plus prev_hidden's): each one
-        a launch the host pays at small batch."""
+        """Two copies (three with prev_hidden): each one a kernel launch the host pays at small batch."""
         assert packed.rows == self.bs, f"packed for {packed.rows} rows, graph for {self.bs}"
         self._fill_hidden(packed.num_rows, prev_hidden)
-        if packed.width == self.page_table.shape[1]:
-            self.inputs.copy_(packed.host, non_blocking=True)
-            self.table_width = packed.width
-            return
         self.header.copy_(packed.header, non_blocking=True)
         self.page_table[:, :packed.width].copy_(packed.page_table, non_blocking=True)
         if self.table_width > packed.width:  # never leave another request's pages behind a row
@@ -222,12 +210,6 @@ class DecodeGraphRunner:
             return None
         bs = min(b for b in self.graphs if b >= num_rows)
         return bs if not chain or self.graphs[bs].chain is not None else None
-
-    def packed_width(self, bucket: int, width: int) -> int:
-        """The page-table width to pack a batch for `bucket` with: the graph's whole table when that stays small
-        (one copy fills the graph; building the padding on the host costs less than a second copy's launch),
-        else just the `width` columns the rows need."""
-        return self.max_pages if bucket * self.max_pages <= FULL_TABLE_ENTRIES else width
 
     def replay_packed(self, packed: PackedRows, prev_hidden: Optional[torch.Tensor] = None,
                       patch: Optional[Callable[[torch.Tensor], None]] = None, chain: bool = False):

@@ -148,8 +148,7 @@ class ModelRunner:
         bucket = graphs.bucket_for(len(rows), width, chain)
         if bucket is None:
             return None
-        packed = self.pack_rows(rows, bucket, graphs.packed_width(bucket, width))
-        return graphs.replay_packed(packed, prev_hidden, patch, chain)
+        return graphs.replay_packed(self.pack_rows(rows, bucket, width), prev_hidden, patch, chain)
 
     def pack_rows(self, rows: list[TokenRow], num_rows: int, width: int) -> PackedRows:
         """The rows in a graph's input layout, padded to num_rows, page tables `width` pages wide, on the host
