@@ -206,15 +206,14 @@ def timeline(args, prompts: list[list[int]]) -> dict:
         decode_run(eng, prompts, 8)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
-            ids = [eng.add_request(p, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
-                   for p in prompts]
+            for p in prompts:
+                eng.add_request(p, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
             steps = 0
             while eng.has_unfinished:
                 eng.step()
                 steps += 1
             sync()
             wall = time.perf_counter() - start
-        del ids
         events = prof.key_averages()
         busy = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e6
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaGraphLaunch",

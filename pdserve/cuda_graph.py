@@ -140,7 +140,7 @@ class DecodeGraphRunner:
 
     mtp=False: the target model, `model(batch) -> hidden`, `model.logits(hidden)`.
     mtp=True: the NextN/MTP layer, `model.mtp_forward(batch, prev_hidden) -> (logits, hidden)`; with chain_steps > 0
-    also a greedy chain of that many steps for the buckets in chain_batch_sizes (see run_chain).
+    also a greedy chain of that many steps for the buckets in chain_batch_sizes (replay_packed with chain=True).
     """
 
     def __init__(self, model, pool, max_pages_per_seq: int, config: CudaGraphConfig,
@@ -196,13 +196,6 @@ class DecodeGraphRunner:
         hidden = self.model(batch, self.pool.kv)
         return hidden, self.model.logits(hidden)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.mode is ForwardMode.DECODE and batch.num_tokens <= max(self.graphs, default=0)
-                and batch.page_table.shape[1] <= self.max_pages)
-
-    def can_chain(self, batch: ForwardBatch) -> bool:
-        return self.chain_steps > 0 and self.can_run(batch) and self._bucket(batch.num_tokens).chain is not None
-
     def bucket_for(self, num_rows: int, width: int, chain: bool = False) -> Optional[int]:
         """The bucket that replays num_rows rows with page tables `width` pages wide (and, with chain=True, has a
         draft chain); None when no captured graph fits."""
@@ -215,7 +208,8 @@ class DecodeGraphRunner:
                       patch: Optional[Callable[[torch.Tensor], None]] = None, chain: bool = False):
         """Fill the bucket packed.rows from a packed batch, let patch(input_ids[:num_rows]) edit the token ids on the
         device (tokens the host has not seen), replay. Returns views of the static outputs, valid until the next
-        replay of this runner: (hidden (n, D), logits (n, vocab)), or with chain=True the drafts (n, chain_steps)."""
+        replay of this runner: (hidden (n, D), logits (n, vocab)), or with chain=True the drafts (n, chain_steps); a
+        chain's rows need pages covering positions p .. p + chain_steps - 1 (past them it writes the scratch page)."""
         assert (prev_hidden is not None) == self.mtp, "prev_hidden is the MTP graphs' input, and theirs only"
         g, n = self.graphs[packed.rows], packed.num_rows
         g.fill_packed(packed, prev_hidden)
@@ -225,25 +219,14 @@ class DecodeGraphRunner:
         self.replays += 1
         return g.chain_tokens[:n] if chain else (g.hidden[:n], g.logits[:n])
 
-    def run_chain(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts (B, chain_steps) for the batch's B rows (token t at position p, MTP input h = prev_hidden):
-        the argmax of each step fed to the next. A view of the graph's static output, valid until the next replay.
-        The rows' pages must cover positions p .. p + chain_steps - 1 (positions past them write the scratch page)."""
-        g = self._bucket(batch.num_tokens)
-        g.fill(batch, prev_hidden)
-        g.chain.replay()
-        self.replays += 1
-        return g.chain_tokens[: batch.num_tokens]
-
-    def _bucket(self, num_rows: int) -> _Graph:
-        return self.graphs[min(b for b in self.graphs if b >= num_rows)]
-
     def run(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden (B, D), logits (B, vocab)) for the batch's B rows: views of the graph's static outputs,
         valid until this runner's next replay. prev_hidden (B, D): the MTP layer's input (mtp runners only)."""
         assert (prev_hidden is not None) == self.mtp, "prev_hidden is the MTP graphs' input, and theirs only"
-        g = self._bucket(batch.num_tokens)
+        bucket = self.bucket_for(batch.num_tokens, batch.page_table.shape[1])
+        assert batch.mode is ForwardMode.DECODE and bucket is not None, "no captured graph fits this batch"
+        g = self.graphs[bucket]
         g.fill(batch, prev_hidden)
         g.graph.replay()
         self.replays += 1

@@ -247,11 +247,18 @@ class NextNSpeculator:
         if k < 2 or not all(v.row.request.params.is_greedy and s.num_tokens + k - 2 <= len(v.row.request.pages) * ps
                             for v, s in zip(verified, states)):
             return
-        first = torch.stack([s.step1_logits for s in states]).argmax(dim=-1)  # (rows,) d_1, on the device
-        rows = [TokenRow(v.row.request, s.num_tokens - 1, 0) for v, s in zip(verified, states)]
-        rest = self.runner.mtp_draft_chain(rows, torch.stack([s.step1_hidden for s in states]), k - 1, first)
-        for s, drafts in zip(states, torch.cat([first.unsqueeze(1), rest], dim=1)):
+        for s, drafts in zip(states, self._chain([v.row.request for v in verified], states)):
             s.drafts = drafts
+
+    def _chain(self, reqs: list[Request], states: list[DraftState]) -> torch.Tensor:
+        """Greedy drafts (rows, k) on the device: d_1 = argmax of step 1, then d_2..d_k chained through the MTP
+        layer (one captured graph on CUDA); step 2 runs at position n-1 on d_1, written into the batch on the
+        device (n = the length each state belongs to)."""
+        first = torch.stack([s.step1_logits for s in states]).argmax(dim=-1)  # (rows,) d_1
+        rows = [TokenRow(req, s.num_tokens - 1, 0) for req, s in zip(reqs, states)]
+        rest = self.runner.mtp_draft_chain(rows, torch.stack([s.step1_hidden for s in states]),
+                                           self.config.num_steps - 1, first)
+        return torch.cat([first.unsqueeze(1), rest], dim=1)
 
     # ---- stages -----------------------------------------------------------------------------------------------
     def _draft(self, rows: list[SpecDecode]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
@@ -313,11 +320,7 @@ class NextNSpeculator:
         if all(s.drafts is not None for s in states):  # chained right after the last round's extend
             self.num_chained_ahead += 1
             return torch.stack([s.drafts for s in states])
-        first = torch.stack([s.step1_logits for s in states]).argmax(dim=-1)  # (rows,) d_1, on the device
-        # Step 2 runs at position n-1 on d_1 (its token is written into the batch on the device).
-        chain_rows = [TokenRow(row.request, row.request.num_tokens - 1, 0) for row in rows]
-        rest = self.runner.mtp_draft_chain(chain_rows, torch.stack([s.step1_hidden for s in states]), k - 1, first)
-        return torch.cat([first.unsqueeze(1), rest], dim=1)
+        return self._chain([row.request for row in rows], states)
 
     def _verify_chained(self, rows: list[SpecDecode], drafts_dev: torch.Tensor
                         ) -> tuple[list[Verified], list[list[int]]]:
