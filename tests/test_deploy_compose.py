@@ -17,7 +17,7 @@ from pdserve.cli import build_parser
 from pdserve.env import known_variables
 
 from stack import REPO
-from test_deploy_images import exposed_ports, image_tag
+from test_deploy_images import entrypoint_default, exposed_ports, image_tag
 
 COMPOSE_DIR = REPO / "deploy" / "compose"
 WORKERS = {"prefill": "cpu", "decode": "cpu", "prefill-gpu": "gpu", "decode-gpu": "gpu"}
@@ -117,10 +117,12 @@ def test_workers_scale_and_find_each_other_through_redis():
         assert services[f"{name}-gpu"]["networks"]["default"]["aliases"] == [name]
 
 
-def test_the_tiny_model_is_made_at_start_on_the_cpu_profile():
+def test_the_demo_model_is_put_in_the_volume_at_start():
     services = compose()["services"]
     assert services["model-init"]["command"] == ["init-model"]
-    assert env("router")["PDSERVE_MODEL"] == "/models/tiny-deepseek-v3"  # what entrypoint.sh init-model makes
+    # What entrypoint.sh init-model copies from the image when PDSERVE_MODEL is unset (test_deploy_images runs it).
+    demo = f"{entrypoint_default('MODELS_VOLUME')}/tiny-trained"
+    assert {env(name)["PDSERVE_MODEL"] for name in PDSERVE_SERVICES} == {demo}
     mounts = {name: services[name]["volumes"] for name in PDSERVE_SERVICES}
     assert all(any(v.split(":")[:2] == ["models", "/models"] for v in vols) for vols in mounts.values())
 

@@ -124,6 +124,26 @@ def test_version_label_matches_pyproject(kind):
 
 
 # ---- the entrypoint, run for real ------------------------------------------------------------------------------
+def entrypoint_default(name: str) -> str:
+    """The default the entrypoint gives NAME (`NAME=${NAME:-value}`): what it uses inside the image."""
+    match = re.search(rf"^{name}=\$\{{{name}:-([^}}]+)\}}$", (DOCKER / "entrypoint.sh").read_text(), re.M)
+    assert match, f"entrypoint.sh sets no default for {name}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_images_carry_the_demo_checkpoint_where_the_entrypoint_looks(kind, trained_model_dir):
+    copies = [v.split() for v in instructions(kind, "COPY") if "models/tiny-trained" in v.split()]
+    assert len(copies) == 1, "the image must carry models/tiny-trained for `init-model`"
+    *flags, src, dest = copies[0]
+    assert REPO / src == trained_model_dir and dest == entrypoint_default("BUNDLED_MODEL")
+    assert not any(f.startswith("--chown") for f in flags), "the user must not be able to change the bundled model"
+    modes = [int(f.split("=", 1)[1], 8) for f in flags if f.startswith("--chmod=")]
+    # --chmod sets files and directories alike: others (the user) must read and traverse, never write.
+    assert modes and modes[0] & 0o005 == 0o005 and not modes[0] & 0o022, [oct(m) for m in modes]
+    assert json.loads(instructions(kind, "VOLUME")[0]) == [entrypoint_default("MODELS_VOLUME")]
+
+
 @pytest.fixture
 def run_entrypoint(tmp_path):
     """Runs deploy/docker/entrypoint.sh with a stand-in `pdserve` that prints its arguments and PDSERVE_* env."""
@@ -134,11 +154,12 @@ def run_entrypoint(tmp_path):
     stub.chmod(0o755)
     python_dir = Path(sys.executable).parent
 
-    def run(*args, **env) -> dict:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    def run(*args, expect_rc: int = 0, **env) -> dict:
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith("PDSERVE_") and k not in ("MODELS_VOLUME", "BUNDLED_MODEL")}
         out = subprocess.run(["sh", str(DOCKER / "entrypoint.sh"), *args], capture_output=True, text=True,
                              env={**base, **env, "PATH": f"{bin_dir}:{python_dir}:/usr/bin:/bin"}, timeout=30)
-        assert out.returncode == 0, out.stderr
+        assert out.returncode == expect_rc, out.stderr
         lines = out.stdout.splitlines()
         return dict(line.split("=", 1) for line in lines if "=" in line)
 
@@ -163,9 +184,59 @@ def test_entrypoint_advertises_the_container_ip_unless_told(run_entrypoint):
     assert got["PDSERVE_KV_HOST"] == "10.9.9.9"
 
 
-def test_entrypoint_makes_only_the_bundled_tiny_model(run_entrypoint):
-    if Path("/models/tiny-deepseek-v3/config.json").exists():
-        pytest.skip("this machine has /models/tiny-deepseek-v3")
-    assert run_entrypoint("init-model")["args"] == "make-tiny-model /models/tiny-deepseek-v3"
-    assert run_entrypoint("init-model", PDSERVE_MODEL="/models/tiny-deepseek-v3")["args"].startswith("make-tiny")
-    assert "args" not in run_entrypoint("init-model", PDSERVE_MODEL="/models/DeepSeek-V3")  # never a real one
+# `init-model` against a temporary models volume, with the checkout's models/tiny-trained as the image's bundled copy.
+@pytest.fixture
+def volume(tmp_path, trained_model_dir) -> dict:
+    (tmp_path / "models").mkdir()
+    return {"MODELS_VOLUME": str(tmp_path / "models"), "BUNDLED_MODEL": str(trained_model_dir)}
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(directory)): f.read_bytes() for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+def test_init_model_copies_the_bundled_demo_model_by_default(run_entrypoint, volume, trained_model_dir):
+    models = Path(volume["MODELS_VOLUME"])
+    (models / "tiny-trained.partial").mkdir()  # a copy cut short by an earlier run
+    (models / "tiny-trained.partial" / "config.json").write_text("{}")
+    assert "args" not in run_entrypoint("init-model", **volume)  # no pdserve command: a copy
+    assert files(models / "tiny-trained") == files(trained_model_dir)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files(models / "tiny-trained"))
+    assert sorted(p.name for p in models.iterdir()) == ["tiny-trained"]  # nothing partial left behind
+    # An empty directory (a fresh mount point) is filled too, and naming the default explicitly is the same.
+    shutil.rmtree(models / "tiny-trained")
+    (models / "tiny-trained").mkdir()
+    run_entrypoint("init-model", PDSERVE_MODEL=str(models / "tiny-trained"), **volume)
+    assert files(models / "tiny-trained") == files(trained_model_dir)
+
+
+def test_init_model_never_overwrites_what_is_in_the_volume(run_entrypoint, volume):
+    target = Path(volume["MODELS_VOLUME"]) / "tiny-trained"
+    target.mkdir()
+    (target / "config.json").write_text('{"mine": true}')  # a checkpoint someone put there
+    run_entrypoint("init-model", **volume)
+    assert files(target) == {"config.json": b'{"mine": true}'}
+    (target / "config.json").unlink()  # not a checkpoint, but not empty either: refused, left as it is
+    (target / "notes.txt").write_text("keep")
+    run_entrypoint("init-model", expect_rc=1, **volume)
+    assert files(target) == {"notes.txt": b"keep"}
+
+
+def test_init_model_makes_the_random_tiny_model_only_when_named(run_entrypoint, volume):
+    models = Path(volume["MODELS_VOLUME"])
+    random_model = models / "tiny-deepseek-v3"
+    got = run_entrypoint("init-model", PDSERVE_MODEL=str(random_model), **volume)
+    assert got["args"] == f"make-tiny-model {random_model}"
+    assert list(models.iterdir()) == []  # the demo model is not copied when another is asked for
+    random_model.mkdir()
+    (random_model / "config.json").write_text("{}")
+    assert "args" not in run_entrypoint("init-model", PDSERVE_MODEL=str(random_model), **volume)  # already there
+    # Any other model must already be in the volume: init-model neither makes nor copies it.
+    assert "args" not in run_entrypoint("init-model", PDSERVE_MODEL=str(models / "DeepSeek-V3"), **volume)
+    assert sorted(p.name for p in models.iterdir()) == ["tiny-deepseek-v3"]
+
+
+def test_init_model_fails_when_the_image_lacks_the_bundled_model(run_entrypoint, volume, tmp_path):
+    """Workers must not start on nothing: model-init fails, so compose never starts them."""
+    run_entrypoint("init-model", expect_rc=1, **{**volume, "BUNDLED_MODEL": str(tmp_path / "absent")})
+    assert list(Path(volume["MODELS_VOLUME"]).iterdir()) == []
