@@ -371,7 +371,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="alternating plain / NextN runs per batch size")
     p.add_argument("--divergence-prompts", type=int, default=32)
-    p.add_argument("--attention-backend", default="triton", help="graph-safe backends: triton")
+    p.add_argument("--attention-backend", default="triton", help="graph-safe backends: triton, flashinfer (re-planned on the host before each replay)")
     p.add_argument("--moe-backend", default="triton")
     p.add_argument("--v3-layers", type=int, default=4, help="main layers of the V3 slice (0 = skip the slice)")
     p.add_argument("--v3-ctx", type=int, default=1024)

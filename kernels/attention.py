@@ -20,8 +20,15 @@ from .registry import Registry
 
 
 class AttentionBackend(ABC):
-    # True when the ops never synchronise with the host, so CUDA graphs can capture them.
+    # True when CUDA graphs can capture the decode ops: they never synchronise with the host, or (FlashInfer) they
+    # do all their host work in a plan that graph_plan hands the graph runner to refresh before each replay.
     graph_safe: bool = False
+
+    def graph_plan(self, rows: int, max_pages: int):
+        """None, or for a backend that schedules on the host, the plan holder of one captured graph of `rows` rows:
+        `with plan.forward(capturing)` around each warm-up forward and the captured one, and
+        `plan.replan(page_table, seq_lens)` (host tensors, the graph's inputs) before every replay."""
+        return None
 
     @abstractmethod
     def ragged_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: list[int],

@@ -12,6 +12,7 @@ import without it. One 128 MB float workspace per device is shared by every wrap
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Optional
@@ -61,7 +62,7 @@ class FlashInferMLADecode:
         if flashinfer is None:
             raise RuntimeError(f"flashinfer is not importable ({FLASHINFER_IMPORT_ERROR})")
         self.device = torch.device(device)
-        if self.device.index is None:
+        if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = backend or default_mla_backend(self.device)
         self.graph_batch_size = graph_batch_size
@@ -85,22 +86,24 @@ class FlashInferMLADecode:
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, page_size: int,
              sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype, rank: int = 512, rope: int = 64) -> None:
-        """page_table (B, max_pages) and seq_lens (B,) as in AttentionBackend.mla_decode. Syncs with the host."""
+        """page_table (B, max_pages) and seq_lens (B,) as in AttentionBackend.mla_decode. The indices are built
+        where the inputs live: device inputs sync with the host; host inputs (a graph's replan) do not."""
         batch, max_pages = page_table.shape
         if self.graph_batch_size is not None and batch != self.graph_batch_size:
             raise ValueError(f"this plan was built for batch {self.graph_batch_size}, got {batch}")
-        lens = seq_lens.to(device=self.device, dtype=torch.int32)  # (B,)
+        where = seq_lens.device
+        lens = seq_lens.to(dtype=torch.int32)  # (B,)
         pages = (lens + page_size - 1) // page_size  # (B,) pages in use per row
-        kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
+        kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=where)
         kv_indptr[1:] = torch.cumsum(pages, 0)
-        used = torch.arange(max_pages, device=self.device)[None, :] < pages[:, None]  # (B, max_pages)
-        kv_indices = page_table.to(self.device)[used].to(torch.int32)  # row-major: row b's pages, in order
-        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=self.device)
+        used = torch.arange(max_pages, device=where)[None, :] < pages[:, None]  # (B, max_pages)
+        kv_indices = page_table.to(where)[used].to(torch.int32)  # row-major: row b's pages, in order
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=where)
         self._wrapper.plan(qo_indptr, kv_indptr, kv_indices, lens, num_heads, rank, rope, page_size, False,
                            sm_scale, _half_dtype(q_dtype), _half_dtype(kv_dtype))
-        if self._empty_rows is None:
-            self._empty_rows = (lens == 0)[:, None, None]
-        else:
+        if self.graph_batch_size is None:  # eager: each plan may have another batch size
+            self._empty_rows = (lens == 0)[:, None, None].to(self.device)
+        else:  # a graph reads this buffer: refill it in place
             self._empty_rows.copy_((lens == 0)[:, None, None])
         self._page_size = page_size
 
@@ -121,12 +124,68 @@ def _half_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
+class FlashInferGraphPlan:
+    """FlashInfer MLA decode inside one CUDA graph (AttentionBackend.graph_plan). FlashInfer schedules on the host,
+    so a graph cannot plan; the graph owns wrappers with fixed index buffers instead, planned while warming up,
+    captured, and re-planned from host tensors before every replay (`replan`). A forward may attend with several
+    lengths (a draft chain's steps see lens, lens + 1, ...): one wrapper per distinct seq_lens tensor, in call order,
+    each remembering its offset from the first, so that replan needs only the graph's own inputs."""
+
+    def __init__(self, backend: "FlashInferAttention", rows: int, max_pages: int):
+        self.backend, self.rows, self.max_pages = backend, rows, max_pages
+        self._decodes: list[FlashInferMLADecode] = []
+        self._offsets: list[torch.Tensor] = []  # host (rows,): lens of group i minus lens of group 0
+        self._params: Optional[tuple] = None  # num_heads, page_size, sm_scale, q and kv dtypes, rank, rope
+        self._group, self._lens, self._first_lens, self._capturing = -1, None, None, False
+
+    @property
+    def num_plans(self) -> int:
+        return len(self._decodes)
+
+    @contextlib.contextmanager
+    def forward(self, capturing: bool):
+        """Brackets one forward: a warm-up (capturing=False) plans from the device inputs; the capture runs them."""
+        previous, self.backend._graph_plan = self.backend._graph_plan, self
+        self._group, self._lens, self._capturing = -1, None, capturing
+        try:
+            yield self
+        finally:
+            self.backend._graph_plan = previous
+
+    def mla_decode(self, q_latent, q_pe, kv_layer, page_table, seq_lens, page_size, sm_scale) -> torch.Tensor:
+        if seq_lens is not self._lens:  # a new group (every layer of one step passes the same tensors)
+            self._group, self._lens = self._group + 1, seq_lens
+            if not self._capturing:  # warm-up: a host sync is fine here
+                if self._group == len(self._decodes):
+                    self._decodes.append(FlashInferMLADecode(q_latent.device, graph_batch_size=self.rows,
+                                                             max_pages=self.max_pages))
+                    self._offsets.append(None)
+                if self._group == 0:
+                    self._first_lens = seq_lens
+                self._offsets[self._group] = (seq_lens - self._first_lens).cpu()
+                self._params = (q_latent.shape[1], page_size, sm_scale, q_latent.dtype, kv_layer.dtype,
+                                q_latent.shape[-1], q_pe.shape[-1])
+                self._decodes[self._group].plan(page_table, seq_lens, *self._params[:5], rank=self._params[5],
+                                                rope=self._params[6])
+        dec = self._decodes[self._group]
+        return dec.run(_half(q_latent).contiguous(), _half(q_pe).contiguous(), _half(kv_layer)).to(q_latent.dtype)
+
+    def replan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Before a replay: page_table (rows, width) and seq_lens (rows,) are host copies of the graph's inputs."""
+        for dec, offset in zip(self._decodes, self._offsets):
+            dec.plan(page_table, seq_lens + offset, *self._params[:5], rank=self._params[5], rope=self._params[6])
+
+
 class FlashInferAttention(AttentionBackend):
     """FlashInfer kernels, bf16/fp16 (fp32 inputs are cast to bf16 and the outputs cast back)."""
+
+    # Capturable only through graph_plan: DecodeGraphRunner re-plans each graph from the host before its replay.
+    graph_safe = True
 
     def __init__(self) -> None:
         self._decode: dict[torch.device, FlashInferMLADecode] = {}
         self._decode_key: Optional[tuple] = None
+        self._graph_plan: Optional[FlashInferGraphPlan] = None  # set while a graph warms up or is captured
         self._prefill: dict[tuple, "flashinfer.BatchPrefillWithRaggedKVCacheWrapper"] = {}
         self._fallback_backend: Optional[AttentionBackend] = None
 
@@ -149,6 +208,8 @@ class FlashInferAttention(AttentionBackend):
             # FlashInfer's MLA kernels are built for DeepSeek's 512 + 64 only (other widths read out of bounds,
             # seen on an H100); small test models use our Triton kernel.
             return self._fallback().mla_decode(q_latent, q_pe, kv_layer, page_table, seq_lens, page_size, sm_scale)
+        if self._graph_plan is not None:
+            return self._graph_plan.mla_decode(q_latent, q_pe, kv_layer, page_table, seq_lens, page_size, sm_scale)
         device = q_latent.device
         dec = self._decode.get(device)
         if dec is None:
@@ -164,6 +225,9 @@ class FlashInferAttention(AttentionBackend):
             self._decode_key = key
         out = dec.run(_half(q_latent).contiguous(), _half(q_pe).contiguous(), _half(kv_layer))
         return out.to(q_latent.dtype)
+
+    def graph_plan(self, rows: int, max_pages: int) -> FlashInferGraphPlan:
+        return FlashInferGraphPlan(self, rows, max_pages)
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     def _prefill_wrapper(self, qo_indptr, kv_indptr, heads, dqk, dv, causal, sm_scale, dtype, device):

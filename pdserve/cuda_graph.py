@@ -14,6 +14,7 @@ so they never touch a real request's KV.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -73,6 +74,8 @@ class _Graph:
         # The MTP layer's second input, h_i of the target (None for target graphs).
         self.prev_hidden = None if hidden_dtype is None else torch.zeros(bs, hidden, dtype=hidden_dtype, device=device)
         self.graph = torch.cuda.CUDAGraph()
+        # Host-scheduled attention (FlashInfer): each graph's plan holder, re-planned before each replay; else None.
+        self.plan = self.chain_plan = None
         self.chain: Optional[torch.cuda.CUDAGraph] = None  # greedy multi-step drafting (MTP graphs only)
         self.chain_tokens: Optional[torch.Tensor] = None  # (bs, chain_steps) its output
         self.hidden: Optional[torch.Tensor] = None
@@ -115,6 +118,11 @@ class _Graph:
             self.prev_hidden[:n].copy_(prev_hidden)
             if n < self.bs:  # zeros, not stale values: padded rows still go through routing
                 self.prev_hidden[n:].zero_()
+
+
+def _planning(plan, capturing: bool):
+    """The attention plan's bracket around one forward (AttentionBackend.graph_plan), or nothing."""
+    return plan.forward(capturing) if plan is not None else contextlib.nullcontext()
 
 
 def greedy_draft_chain(model, kv: torch.Tensor, batch: ForwardBatch, prev_hidden: torch.Tensor,
@@ -167,21 +175,25 @@ class DecodeGraphRunner:
         g = _Graph(bs, self.max_pages, cfg.hidden_size, self.pool.scratch_page, self.pool.page_size,
                    self.pool.kv.device, self.pool.dtype if self.mtp else None)
         batch = g.batch(self.pool.page_size)
+        attention = self.model.kernels.attention
+        g.plan = attention.graph_plan(bs, self.max_pages)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up: lazy init, autotuning, allocator
+        with torch.cuda.stream(stream):  # warm up: lazy init, autotuning, allocator, the attention plan
             for _ in range(2):
-                self._forward(g, batch)
+                with _planning(g.plan, capturing=False):
+                    self._forward(g, batch)
         torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(g.graph, pool=self.mempool):
+        with torch.cuda.graph(g.graph, pool=self.mempool), _planning(g.plan, capturing=True):
             g.hidden, g.logits = self._forward(g, batch)
         if self.chain_steps and bs in self.chain_batch_sizes:
+            g.chain_plan = attention.graph_plan(bs, self.max_pages)
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), _planning(g.chain_plan, capturing=False):
                 self._chain(g)
             torch.cuda.current_stream().wait_stream(stream)
             g.chain = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.chain, pool=self.mempool):
+            with torch.cuda.graph(g.chain, pool=self.mempool), _planning(g.chain_plan, capturing=True):
                 g.chain_tokens = self._chain(g)
         return g
 
@@ -215,6 +227,9 @@ class DecodeGraphRunner:
         g.fill_packed(packed, prev_hidden)
         if patch is not None:
             patch(g.input_ids[:n])
+        plan = g.chain_plan if chain else g.plan
+        if plan is not None:
+            plan.replan(packed.page_table, packed.header[3])
         (g.chain if chain else g.graph).replay()
         self.replays += 1
         return g.chain_tokens[:n] if chain else (g.hidden[:n], g.logits[:n])
@@ -228,6 +243,8 @@ class DecodeGraphRunner:
         assert batch.mode is ForwardMode.DECODE and bucket is not None, "no captured graph fits this batch"
         g = self.graphs[bucket]
         g.fill(batch, prev_hidden)
+        if g.plan is not None:  # benchmarks' path: reading the inputs back costs a sync
+            g.plan.replan(g.page_table[:, :g.table_width].cpu(), g.seq_lens.cpu())
         g.graph.replay()
         self.replays += 1
         n = batch.num_tokens

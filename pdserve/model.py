@@ -293,6 +293,7 @@ class DeepseekV3(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelBackends, prefix_chunk_tokens: int = 4096):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels  # the CUDA-graph runner asks its attention backend for per-graph plans
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(
