@@ -83,6 +83,20 @@ def decode_batch(pool: LatentKVPool, batch: int, ctx: int, device) -> ForwardBat
                         pool.page_size, page_table=table, seq_lens=torch.full((batch,), ctx, device=device))
 
 
+def replan_host_us(graphs: DecodeGraphRunner, batch: ForwardBatch) -> float | None:
+    """Host microseconds per re-plan of the batch's graph (FlashInfer attention; None for backends that plan
+    nothing): part of every graphed step, since a graph cannot plan."""
+    g = graphs.graphs[graphs.bucket_for(batch.num_tokens, batch.page_table.shape[1])]
+    if g.plan is None or not g.plan.num_plans:
+        return None
+    table, lens = g.page_table[:, :g.table_width].cpu(), g.seq_lens.cpu()
+    start = time.perf_counter()
+    for _ in range(20):
+        g.plan.replan(table, lens)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 20 * 1e6
+
+
 def bench_pdserve(args, bw: float) -> list[dict]:
     cfg = v3_slice(args.layers, fp8=True)
     kernels = KernelBackends.create(args.attention_backend, args.moe_backend, args.gemm_backend)
@@ -107,16 +121,18 @@ def bench_pdserve(args, bw: float) -> list[dict]:
             batch = decode_batch(pool, b, ctx, "cuda")
             eager = cuda_time(lambda: model.logits(model(batch, pool.kv)), iters=5 if b * ctx > 2**20 else 10)
             graph = cuda_time(lambda: graphs.run(batch), iters=20) if graphs else None
+            replan_us = replan_host_us(graphs, batch) if graphs else None
             floor = step_bytes(model, cfg, b, ctx, 2) / (bw / 2)  # copy bw counts read+write: half is reads
             best = graph or eager
             row = dict(batch=b, ctx=ctx, eager_ms=eager * 1e3, graph_ms=graph * 1e3 if graph else None,
                        tok_s=b / best, floor_ms=floor * 1e3, ratio_to_floor=best / floor,
                        graph_speedup=eager / graph if graph else None,
-                       capture_s=capture if graphs else None)
+                       capture_s=capture if graphs else None, replan_host_us=replan_us)
             rows.append(row)
             print(f"[bench] B={b:4d} ctx={ctx:5d}: eager {eager * 1e3:8.3f} ms, graph "
                   f"{(graph or float('nan')) * 1e3:8.3f} ms, floor {floor * 1e3:7.3f} ms "
-                  f"({best / floor:.2f}x), {b / best:9.1f} tok/s", flush=True)
+                  f"({best / floor:.2f}x), {b / best:9.1f} tok/s"
+                  + (f"; attention replan {replan_us:.0f} us of host time per step" if replan_us else ""), flush=True)
         graphs = None
         torch.cuda.empty_cache()
     prefill_rows = []
