@@ -5,5 +5,4 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 exec > >(tee "$OUT/${1:-gpu_tests}.log") 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-git log --oneline -1 2>/dev/null || true
 time timeout 540 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_*.py 2>&1 | tail -40
