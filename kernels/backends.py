@@ -76,18 +76,29 @@ PREFERENCE = {"attention": ("flashinfer", "triton", "torch"), "moe": ("deep_gemm
               "gemm": ("scaled_mm", "triton", "torch")}  # scaled_mm: 86-92% of cuBLAS FP8 at M>=4096 on H100, triton 39-51%
 
 
-def resolve_backend(kind: str, name: str, device: torch.device | str) -> str:
-    """`auto` -> the fastest backend of `kind` that runs on `device`; an explicit name is validated."""
+# Decoding under CUDA graphs: FlashInfer schedules on the host, so each graphed step re-plans before its replay,
+# which costs more than its kernels save up to batch 32 (V3 slice on an H100, ctx 4096: 2.47 vs 2.89 ms at batch 1,
+# 5.11 vs 6.64 at 8, equal at 32; benchmarks/results/README.md). Prefill and eager decoding keep FlashInfer first.
+GRAPHED_DECODE_ATTENTION = ("triton", "flashinfer", "torch")
+
+
+def resolve_backend(kind: str, name: str, device: torch.device | str,
+                    preference: tuple[str, ...] | None = None) -> str:
+    """`auto` -> the first backend of `preference` (default: the fastest of `kind`) that runs on `device`; an
+    explicit name is validated."""
     if name == "auto":
         available = available_backends(kind, device)
-        return next(n for n in PREFERENCE[kind] if n in available)
+        return next(n for n in preference or PREFERENCE[kind] if n in available)
     validate_backend(kind, name, device)
     return name
 
 
-def resolve_backends(attention: str, moe: str, device: torch.device | str) -> tuple[str, str, str]:
+def resolve_backends(attention: str, moe: str, device: torch.device | str,
+                     graphed_decode: bool = False) -> tuple[str, str, str]:
     """The CLI's --attention-backend/--moe-backend; the dense GEMM follows the MoE choice (FP8 kernels travel
-    together), torch when MoE is torch."""
+    together), torch when MoE is torch. graphed_decode: the engine decodes under CUDA graphs (attention `auto`
+    then prefers our Triton MLA kernel, see GRAPHED_DECODE_ATTENTION)."""
     moe_name = resolve_backend("moe", moe, device)
     gemm = "torch" if moe_name == "torch" else resolve_backend("gemm", "auto", device)
-    return resolve_backend("attention", attention, device), moe_name, gemm
+    preference = GRAPHED_DECODE_ATTENTION if graphed_decode and _has_cuda(device) else None
+    return resolve_backend("attention", attention, device, preference), moe_name, gemm

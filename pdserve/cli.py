@@ -37,7 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the configured shapes, no files needed")
     g.add_argument("--attention-backend", default="auto", choices=["auto", *ATTENTION_BACKENDS.names()],
-                   help="auto = flashinfer or triton on a GPU (whichever is installed, in that order), torch on CPU")
+                   help="auto, on a GPU: triton for decoding under CUDA graphs (FlashInfer re-plans on the host "
+                        "before every graphed step), else flashinfer, then triton, whichever is installed; torch on "
+                        "CPU")
     g.add_argument("--moe-backend", default="auto", choices=["auto", *MOE_BACKENDS.names()],
                    help="auto = deep_gemm or triton on a GPU when installed, torch on CPU")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (to compare)")
@@ -58,7 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="positions verified per round; must be --speculative-num-steps + 1 (the default)")
 
 
-def engine_config_from_args(args: argparse.Namespace):
+def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False):
+    """prefill_only: a prefill worker's engine. It never decodes, so it captures no decode CUDA graphs (memory and
+    start-up time for nothing) and those do not steer --attention-backend auto."""
     from pdserve.engine import EngineConfig
     from pdserve.kv_cache import CacheConfig
     from pdserve.scheduler import SchedulerConfig
@@ -74,11 +78,12 @@ def engine_config_from_args(args: argparse.Namespace):
     from pdserve.cuda_graph import CudaGraphConfig
     from pdserve.kernels.backends import resolve_backends
 
-    attention, moe, gemm = resolve_backends(args.attention_backend, args.moe_backend, device)
+    graphed_decode = not prefill_only and not args.disable_cuda_graph
+    attention, moe, gemm = resolve_backends(args.attention_backend, args.moe_backend, device, graphed_decode)
     return EngineConfig(
         model_dir=args.model, dtype=args.dtype, device=device, load_format=args.load_format,
         attention_backend=attention, moe_backend=moe, gemm_backend=gemm,
-        cuda_graph=CudaGraphConfig(enabled=not args.disable_cuda_graph, max_bs=args.cuda_graph_max_bs),
+        cuda_graph=CudaGraphConfig(enabled=graphed_decode, max_bs=args.cuda_graph_max_bs),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
         speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_num_steps,
                                       args.speculative_num_draft_tokens),

@@ -125,7 +125,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
 
     _nccl_error_handling(args)
-    config = PrefillWorkerConfig(engine_config_from_args(args), host=args.host, port=args.port,
+    config = PrefillWorkerConfig(engine_config_from_args(args, prefill_only=True), host=args.host, port=args.port,
                                  kv_transport=args.kv_transport, kv_layerwise=not args.no_kv_layerwise,
                                  transfer_timeout_s=args.transfer_timeout,
                                  max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
