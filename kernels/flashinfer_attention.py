@@ -83,6 +83,7 @@ class FlashInferMLADecode:
                 backend=self.backend)
             self._empty_rows = torch.zeros(b, 1, 1, dtype=torch.bool, device=self.device)  # static: graphs read it
         self._page_size: Optional[int] = None
+        self._plan_copied: Optional[torch.cuda.Event] = None  # passed once the last plan's upload has run
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, page_size: int,
              sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype, rank: int = 512, rope: int = 64) -> None:
@@ -99,8 +100,16 @@ class FlashInferMLADecode:
         used = torch.arange(max_pages, device=where)[None, :] < pages[:, None]  # (B, max_pages)
         kv_indices = page_table.to(where)[used].to(torch.int32)  # row-major: row b's pages, in order
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=where)
+        # NOTE: FlashInfer writes its plan into one pinned host buffer and uploads it asynchronously, in stream
+        # order. The engine queues several steps before it reads a result back (NextN: verify, extend, the next
+        # chain), so a re-plan could overwrite that buffer before the previous upload ran: wait for it first.
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
         self._wrapper.plan(qo_indptr, kv_indptr, kv_indices, lens, num_heads, rank, rope, page_size, False,
                            sm_scale, _half_dtype(q_dtype), _half_dtype(kv_dtype))
+        if self.device.type == "cuda":
+            self._plan_copied = torch.cuda.Event()
+            self._plan_copied.record(torch.cuda.current_stream(self.device))
         if self.graph_batch_size is None:  # eager: each plan may have another batch size
             self._empty_rows = (lens == 0)[:, None, None].to(self.device)
         else:  # a graph reads this buffer: refill it in place
