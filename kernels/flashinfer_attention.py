@@ -129,6 +129,11 @@ class FlashInferMLADecode:
         return out.masked_fill_(self._empty_rows, 0.0)
 
 
+def _run(dec: FlashInferMLADecode, q_latent: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+    """A planned decode on any input dtype: FlashInfer computes in bf16/fp16, the result comes back in q's dtype."""
+    return dec.run(_half(q_latent).contiguous(), _half(q_pe).contiguous(), _half(kv_layer)).to(q_latent.dtype)
+
+
 def _half_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
@@ -144,7 +149,7 @@ class FlashInferGraphPlan:
         self.backend, self.rows, self.max_pages = backend, rows, max_pages
         self._decodes: list[FlashInferMLADecode] = []
         self._offsets: list[torch.Tensor] = []  # host (rows,): lens of group i minus lens of group 0
-        self._params: Optional[tuple] = None  # num_heads, page_size, sm_scale, q and kv dtypes, rank, rope
+        self._plan_args: dict = {}  # FlashInferMLADecode.plan's arguments past the page table and lengths
         self._group, self._lens, self._first_lens, self._capturing = -1, None, None, False
 
     @property
@@ -172,17 +177,16 @@ class FlashInferGraphPlan:
                 if self._group == 0:
                     self._first_lens = seq_lens
                 self._offsets[self._group] = (seq_lens - self._first_lens).cpu()
-                self._params = (q_latent.shape[1], page_size, sm_scale, q_latent.dtype, kv_layer.dtype,
-                                q_latent.shape[-1], q_pe.shape[-1])
-                self._decodes[self._group].plan(page_table, seq_lens, *self._params[:5], rank=self._params[5],
-                                                rope=self._params[6])
-        dec = self._decodes[self._group]
-        return dec.run(_half(q_latent).contiguous(), _half(q_pe).contiguous(), _half(kv_layer)).to(q_latent.dtype)
+                self._plan_args = dict(num_heads=q_latent.shape[1], page_size=page_size, sm_scale=sm_scale,
+                                       q_dtype=q_latent.dtype, kv_dtype=kv_layer.dtype, rank=q_latent.shape[-1],
+                                       rope=q_pe.shape[-1])
+                self._decodes[self._group].plan(page_table, seq_lens, **self._plan_args)
+        return _run(self._decodes[self._group], q_latent, q_pe, kv_layer)
 
     def replan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Before a replay: page_table (rows, width) and seq_lens (rows,) are host copies of the graph's inputs."""
         for dec, offset in zip(self._decodes, self._offsets):
-            dec.plan(page_table, seq_lens + offset, *self._params[:5], rank=self._params[5], rope=self._params[6])
+            dec.plan(page_table, seq_lens + offset, **self._plan_args)
 
 
 class FlashInferAttention(AttentionBackend):
@@ -232,8 +236,7 @@ class FlashInferAttention(AttentionBackend):
             dec.plan(page_table, seq_lens, q_latent.shape[1], page_size, sm_scale, q_latent.dtype, kv_layer.dtype,
                      rank=q_latent.shape[-1], rope=q_pe.shape[-1])
             self._decode_key = key
-        out = dec.run(_half(q_latent).contiguous(), _half(q_pe).contiguous(), _half(kv_layer))
-        return out.to(q_latent.dtype)
+        return _run(dec, q_latent, q_pe, kv_layer)
 
     def graph_plan(self, rows: int, max_pages: int) -> FlashInferGraphPlan:
         return FlashInferGraphPlan(self, rows, max_pages)
