@@ -109,39 +109,43 @@ def bench_moe(token_counts: list[int], config_path: str | None = None) -> list[d
             table = {int(t): cfg for t, cfg in json.load(f).items()}
 
     num_experts, hidden, inter, top_k = 256, 7168, 2048, 8
-    w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE, device="cuda")
-    w2 = torch.empty(num_experts, hidden, inter, dtype=FP8_DTYPE, device="cuda")
-    for lo in range(0, num_experts, 16):
-        w13[lo:lo + 16] = (torch.randn(16, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.05).to(FP8_DTYPE)
-        w2[lo:lo + 16] = (torch.randn(16, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.05).to(FP8_DTYPE)
-    s13 = torch.rand(num_experts, 2 * inter // 128, hidden // 128, device="cuda") * 1e-2 + 1e-3
-    s2 = torch.rand(num_experts, hidden // 128, inter // 128, device="cuda") * 1e-2 + 1e-3
-    routing = RoutingConfig(top_k, "sigmoid", "noaux_tc", 8, 4, True, 2.5)
+    w13, w2, s13, s2 = _random_fp8_experts(num_experts, hidden, inter)
     rows = []
     for tokens in token_counts:
-        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        weights, ids = select_experts(torch.randn(tokens, num_experts, device="cuda"),
-                                      torch.randn(num_experts, device="cuda") * 0.1, routing)
+        x, weights, ids = _v3_routed(tokens, num_experts, hidden, top_k)
         pairs = tokens * top_k
         if table:
             cfg = table[min(table, key=lambda t: (abs(t - tokens), t))]
         else:
             cfg = get_config(tokens, num_experts, inter, hidden, top_k, FP8_DTYPE)
-        aligned = moe_align.align_tokens_layout(ids, num_experts, cfg["BLOCK_M"])
+        block_m = cfg["BLOCK_M"]
+        aligned = moe_align.align_tokens_layout(ids, num_experts, block_m)
         a, a_s = triton_fp8.per_token_group_quant(x)
         # A gate-up tile that cannot fuse the 1x128 activation quantization writes bf16 (timed without the
-        # separate quantization; the layer time includes it).
+        # separate quantization; the layer time includes it). A contiguous down GEMM reads the activation by
+        # layout row and writes by row (the layer's combine then gathers).
         fused = k.gate_up_fuses_quant(cfg["gate_up"], inter)
-        act = torch.empty(pairs, inter, dtype=FP8_DTYPE if fused else torch.bfloat16, device="cuda")
-        act_s = torch.empty(pairs, inter // 128, device="cuda") if fused else None
-        out = torch.empty(pairs, hidden, dtype=torch.bfloat16, device="cuda")
+        by_row = cfg["down"].get("LAYOUT") == "contiguous"
+        act_rows = aligned.sorted_token_ids.numel() if by_row else pairs
+        act = torch.empty(act_rows, inter, dtype=FP8_DTYPE if fused else torch.bfloat16, device="cuda")
+        act_s = torch.empty(act_rows, inter // 128, device="cuda") if fused else None
+        out = torch.empty(act_rows, hidden, dtype=torch.bfloat16, device="cuda")
         gate_up_flops, down_flops = 2 * pairs * 2 * inter * hidden, 2 * pairs * hidden * inter
         t_gate_up = cuda_time(lambda: k.invoke_fused_moe_gemm(a, a_s, w13, s13, act, act_s, None, aligned, top_k,
-                                                              True, cfg["BLOCK_M"], cfg["gate_up"]), iters=10)
+                                                              True, block_m, cfg["gate_up"], out_by_row=by_row),
+                              iters=10)
         if not fused:
             act, act_s = triton_fp8.per_token_group_quant(act)
-        t_down = cuda_time(lambda: k.invoke_fused_moe_gemm(act, act_s, w2, s2, out, None, weights.view(-1), aligned,
-                                                           1, False, cfg["BLOCK_M"], cfg["down"]), iters=10)
+        if by_row:
+            from pdserve.kernels.triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
+
+            experts = moe_align.row_experts(aligned)
+            down_cfg = {key: val for key, val in cfg["down"].items() if key != "LAYOUT"}
+            t_down = cuda_time(lambda: m_grouped_fp8_gemm_nt_contiguous((act, act_s), (w2, s2), out, experts, block_m,
+                                                                        down_cfg), iters=10)
+        else:
+            t_down = cuda_time(lambda: k.invoke_fused_moe_gemm(act, act_s, w2, s2, out, None, weights.view(-1),
+                                                               aligned, 1, False, block_m, cfg["down"]), iters=10)
         t_layer = cuda_time(lambda: k.fused_experts(x, weights, ids, w13, w2, s13, s2, config=cfg), iters=10)
         ceil_gate_up = cublas_fp8_tflops(pairs, 2 * inter, hidden)
         ceil_down = cublas_fp8_tflops(pairs, hidden, inter)
@@ -154,6 +158,96 @@ def bench_moe(token_counts: list[int], config_path: str | None = None) -> list[d
         rows.append(row)
         print_moe(row)
     return rows
+
+
+# Tiles of the contiguous-layout grouped GEMM (triton_grouped_gemm.py): (block_m, BLOCK_N, GROUP_M, num_warps,
+# num_stages). Warp-specialized variants are not timed: they hung on the H100 with Triton 3.6 (gpu_run20, 21).
+CONTIGUOUS = [(128, 128, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 16, 8, 4), (64, 128, 8, 4, 4),
+              (64, 128, 8, 4, 5), (64, 128, 16, 4, 4), (64, 128, 8, 8, 4)]
+
+
+def bench_moe_contiguous(token_counts: list[int]) -> list[dict]:
+    """The contiguous-layout MoE (DeepGEMM's prefill contract, here on our Triton grouped GEMM): each tile's two
+    grouped GEMMs against cuBLAS FP8 at the same total rows, and the whole layer with its permutation, SiLU-and-mul
+    quantization and weighted combine."""
+    from pdserve.kernels import deep_gemm_moe, moe_align, triton_fp8, triton_grouped_gemm as gg
+    from pdserve.kernels import triton_moe_kernels as k
+
+    num_experts, hidden, inter, top_k = 256, 7168, 2048, 8
+    w13, w2, s13, s2 = _random_fp8_experts(num_experts, hidden, inter)
+    rows_out = []
+    for tokens in token_counts:
+        x, weights, ids = _v3_routed(tokens, num_experts, hidden, top_k)
+        pairs = tokens * top_k
+        ceil_gate_up = cublas_fp8_tflops(pairs, 2 * inter, hidden)
+        ceil_down = cublas_fp8_tflops(pairs, hidden, inter)
+        gate_up_flops, down_flops = 2 * pairs * 2 * inter * hidden, 2 * pairs * hidden * inter
+        ceil_layer = (gate_up_flops + down_flops) / (gate_up_flops / ceil_gate_up + down_flops / ceil_down)
+        x_q, x_s = triton_fp8.per_token_group_quant(x)
+        layouts = {}
+        for block_m, block_n, group_m, warps, stages in CONTIGUOUS:
+            if block_m not in layouts:
+                aligned = moe_align.align_tokens_layout(ids, num_experts, block_m)
+                layouts[block_m] = (aligned, *deep_gemm_moe.contiguous_layout(x_q, x_s, aligned, top_k, align=block_m))
+            aligned, a, sa, m_indices = layouts[block_m]
+            cfg = dict(BLOCK_N=block_n, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+            rows = a.shape[0]
+            d1 = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device="cuda")
+            d2 = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")
+            row = {"tokens": tokens, "block_m": block_m, "config": cfg, "rows": pairs,
+                   "rows_padded": int(aligned.num_tokens_post_padded)}
+            try:
+                t_gate_up = cuda_time(lambda: gg.m_grouped_fp8_gemm_nt_contiguous((a, sa), (w13, s13), d1, m_indices,
+                                                                                  block_m, cfg), iters=10)
+                act, act_s = k.silu_mul_quant(d1)
+                t_down = cuda_time(lambda: gg.m_grouped_fp8_gemm_nt_contiguous((act, act_s), (w2, s2), d2, m_indices,
+                                                                               block_m, cfg), iters=10)
+            except Exception as exc:  # compile failure, out of shared memory
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                print(f"contiguous T={tokens} block_m={block_m} {cfg}: {row['error']}", flush=True)
+                rows_out.append(row)
+                continue
+
+            def layer():
+                al = moe_align.align_tokens_layout(ids, num_experts, block_m)
+                xq, xs = triton_fp8.per_token_group_quant(x)
+                a_, sa_, mi = deep_gemm_moe.contiguous_layout(xq, xs, al, top_k, align=block_m)
+                gg.m_grouped_fp8_gemm_nt_contiguous((a_, sa_), (w13, s13), d1, mi, block_m, cfg)
+                h, h_s = k.silu_mul_quant(d1)
+                gg.m_grouped_fp8_gemm_nt_contiguous((h, h_s), (w2, s2), d2, mi, block_m, cfg)
+                return k.gather_combine(d2, moe_align.inverse_rows(al), weights, x.dtype)
+
+            t_layer = cuda_time(layer, iters=10)
+            row.update(gate_up=_rate(gate_up_flops, t_gate_up, ceil_gate_up), down=_rate(down_flops, t_down, ceil_down),
+                       layer=_rate(gate_up_flops + down_flops, t_layer, ceil_layer))
+            rows_out.append(row)
+            print(f"contiguous block_m={block_m} N{block_n} G{group_m} w{warps} s{stages} "
+                  f"(padded {row['rows_padded']}) " + " | ".join(
+                      f"{name} {row[name]['ms']:.3f} ms {row[name]['tflops']:6.1f} TF/s "
+                      f"({row[name]['fraction_of_cublas']:.0%})" for name in ("gate_up", "down", "layer")),
+                  flush=True)
+    return rows_out
+
+
+def _v3_routed(tokens: int, num_experts: int, hidden: int, top_k: int):
+    """Activations (T, H) bf16 and DeepSeek-V3 grouped routing of random logits: weights and ids (T, top_k)."""
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    routing = RoutingConfig(top_k, "sigmoid", "noaux_tc", 8, 4, True, 2.5)
+    weights, ids = select_experts(torch.randn(tokens, num_experts, device="cuda"),
+                                  torch.randn(num_experts, device="cuda") * 0.1, routing)
+    return x, weights, ids
+
+
+def _random_fp8_experts(num_experts: int, hidden: int, inter: int):
+    """Timing weights (values do not matter), built 16 experts at a time to bound the temporaries."""
+    w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE, device="cuda")
+    w2 = torch.empty(num_experts, hidden, inter, dtype=FP8_DTYPE, device="cuda")
+    for lo in range(0, num_experts, 16):
+        w13[lo:lo + 16] = (torch.randn(16, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.05).to(FP8_DTYPE)
+        w2[lo:lo + 16] = (torch.randn(16, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.05).to(FP8_DTYPE)
+    s13 = torch.rand(num_experts, 2 * inter // 128, hidden // 128, device="cuda") * 1e-2 + 1e-3
+    s2 = torch.rand(num_experts, hidden // 128, inter // 128, device="cuda") * 1e-2 + 1e-3
+    return w13, w2, s13, s2
 
 
 def _rate(flops: float, seconds: float, ceiling: float) -> dict:
@@ -183,6 +277,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time a few Triton tile configs at M >= 1024")
     p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--contiguous", action="store_true",
+                   help="also time the contiguous-layout MoE (Triton grouped GEMM with TMA + warp specialization)")
     p.add_argument("--moe-config", help="MoE config table (kernels/configs/moe/ format) to use instead of the "
                                          "committed one for this GPU")
     p.add_argument("--out", help="write the results as JSON here")
@@ -199,6 +295,8 @@ def main() -> None:
         result["dense"] = bench_dense(args.m, args.sweep)
     if not args.skip_moe:
         result["moe"] = bench_moe(args.moe_tokens, args.moe_config)
+    if args.contiguous:
+        result["moe_contiguous"] = bench_moe_contiguous(args.moe_tokens)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

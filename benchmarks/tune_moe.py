@@ -37,22 +37,28 @@ DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 DEVICE = "cuda"
 
 
-def gemm(block_n: int, warps: int, stages: int, group_m: int = 16, block_k: int = 128) -> dict:
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+def gemm(block_n: int, warps: int, stages: int, group_m: int = 16, block_k: int = 128, layout: str = "") -> dict:
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+    if layout:
+        cfg["LAYOUT"] = layout
+    return cfg
 
 
 # Prefill sizes (fp8, T >= 4096), by BLOCK_M. BLOCK_N counts weight rows (a gate-up tile of 128 rows yields 64
 # activation columns). SGLang's tuned H100/H200/H800 tables for E=256/257 block-FP8 [128, 128] pick BLOCK_M 64,
 # BLOCK_N 128, BLOCK_K 128, GROUP_M 16-32, 4 warps, 3-4 stages at 2048-4096 tokens: that point and its neighbours,
 # plus the larger tiles that compile without register spills for sm_90 (ptxas, Triton 3.6): 64 x 256 and
-# 128 x 128 at 8 warps. 128 x 256 spills, as did the old two-accumulator gate-up at 128 x 128.
+# 128 x 128 at 8 warps. 128 x 256 spills, as did the old two-accumulator gate-up at 128 x 128. The down GEMM also
+# has contiguous-layout candidates (LAYOUT "contiguous": TMA loads, triton_grouped_gemm.py), the best tiles of
+# bench_moe_gemm.py --contiguous on the H100 (gpu_run21); the smaller and slower ones of the 2026-11-23 sweep
+# (moe_sweep_h100.json) are left out.
 PREFILL = {
-    64: {"gate_up": [gemm(128, 4, 3), gemm(128, 4, 4), gemm(128, 4, 3, group_m=32), gemm(128, 4, 3, group_m=8),
-                     gemm(256, 8, 3), gemm(256, 8, 4), gemm(256, 8, 3, group_m=32)],
-         "down": [gemm(128, 4, 3), gemm(128, 4, 4), gemm(128, 4, 3, group_m=32), gemm(128, 4, 3, group_m=8),
-                  gemm(256, 8, 3), gemm(256, 8, 4), gemm(64, 4, 4)]},
-    128: {"gate_up": [gemm(128, 8, 3), gemm(128, 8, 4)],
-          "down": [gemm(128, 8, 3), gemm(128, 8, 4)]},
+    64: {"gate_up": [gemm(256, 8, 3), gemm(256, 8, 4), gemm(256, 8, 4, group_m=8)],
+         "down": [gemm(256, 8, 4), gemm(256, 8, 3), gemm(128, 4, 4, group_m=8, layout="contiguous"),
+                  gemm(128, 4, 4, group_m=16, layout="contiguous"), gemm(128, 8, 4, group_m=8, layout="contiguous")]},
+    128: {"gate_up": [gemm(128, 8, 4)],
+          "down": [gemm(128, 8, 4), gemm(128, 8, 4, group_m=8, layout="contiguous"),
+                   gemm(128, 8, 3, group_m=8, layout="contiguous")]},
 }
 
 
@@ -150,13 +156,18 @@ class PairCheck:
         # Mean error: a flipped rounding tie moves one code by one fp8 step, rare; a real bug moves everything.
         return ((got - self.h).abs().mean() / self.h.abs().mean()).item()
 
-    def down(self, act, act_scale, out) -> float:
-        h = self._dequant(self._take(act, self.rows), act_scale[self.rows] if self.fp8 else None)
+    def down(self, act, act_scale, out, row_of_pair=None) -> float:
+        """row_of_pair: act and out are by layout row (the contiguous down GEMM), out without the routing weight."""
+        idx = self.rows if row_of_pair is None else row_of_pair[self.rows]
+        h = self._dequant(self._take(act, idx), act_scale[idx] if self.fp8 else None)
+        got = out[idx].float()
+        if row_of_pair is not None:
+            got = got * self.topk_w[:, None]
         ref = torch.empty(len(self.rows), out.shape[1], device=DEVICE)
         for e, w2e in self.w2.items():
             sel = self.experts == e
             ref[sel] = (h[sel] @ w2e.T) * self.topk_w[sel, None]
-        return ((out[self.rows].float() - ref).abs().max() / ref.abs().max()).item()
+        return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
 def cublas_ceilings(pairs: int, inter: int, hidden: int) -> dict:
@@ -166,11 +177,12 @@ def cublas_ceilings(pairs: int, inter: int, hidden: int) -> dict:
 
 
 def fmt(cfg: dict) -> str:
-    return (f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} w{cfg['num_warps']} s{cfg['num_stages']}")
+    return (f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} G{cfg['GROUP_M']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            f"{' contiguous' if cfg.get('LAYOUT') == 'contiguous' else ''}")
 
 
 def tune_tokens(tokens: int, args, weights, deadline: float, log: list) -> dict | None:
-    from pdserve.kernels import moe_align, triton_fp8, triton_moe_kernels as k
+    from pdserve.kernels import moe_align, triton_fp8, triton_grouped_gemm as gg, triton_moe_kernels as k
 
     w13, w2, s13, s2 = weights
     fp8 = args.dtype == "fp8"
@@ -191,11 +203,39 @@ def tune_tokens(tokens: int, args, weights, deadline: float, log: list) -> dict 
     for block_m, cands in search_space(pairs / args.experts, fp8, args.space).items():
         aligned = moe_align.align_tokens_layout(ids, args.experts, block_m)
         padded = int(aligned.num_tokens_post_padded)
+        rows = aligned.sorted_token_ids.numel()
+        by_row = {}  # the contiguous down GEMM's inputs, made once per BLOCK_M (see contiguous_inputs)
+
+        def contiguous_inputs():
+            """Gate-up's activation by layout row (the best gate-up tile, which fuses the quantization)."""
+            if not by_row:
+                act_rows = torch.empty(rows, args.inter, dtype=FP8_DTYPE, device=DEVICE)
+                act_rows_s = torch.empty(rows, args.inter // 128, device=DEVICE)
+                k.invoke_fused_moe_gemm(a, a_scale, w13, s13, act_rows, act_rows_s, None, aligned, args.top_k, True,
+                                        block_m, timed["gate_up"][1], out_by_row=True)
+                by_row.update(act=act_rows, act_s=act_rows_s, experts=moe_align.row_experts(aligned),
+                              row_of_pair=moe_align.inverse_rows(aligned),
+                              out=torch.empty(rows, args.hidden, dtype=torch.bfloat16, device=DEVICE))
+            return by_row
+
+        def down(c):
+            if c.get("LAYOUT") != "contiguous":
+                return k.invoke_fused_moe_gemm(act, act_s, w2, s2, out, None, topk_w_flat, aligned, 1, False,
+                                               block_m, c)
+            r = contiguous_inputs()
+            gg.m_grouped_fp8_gemm_nt_contiguous((r["act"], r["act_s"]), (w2, s2), r["out"], r["experts"], block_m,
+                                                {key: val for key, val in c.items() if key != "LAYOUT"})
+
+        def check_down(c) -> float:
+            if c.get("LAYOUT") != "contiguous":
+                return check.down(act, act_s, out)
+            r = contiguous_inputs()
+            return check.down(r["act"], r["act_s"], r["out"], r["row_of_pair"])
+
         calls = {
             "gate_up": lambda c: k.invoke_fused_moe_gemm(a, a_scale, w13, s13, act, act_s, None, aligned,
                                                          args.top_k, True, block_m, c),
-            "down": lambda c: k.invoke_fused_moe_gemm(act, act_s, w2, s2, out, None, topk_w_flat, aligned,
-                                                      1, False, block_m, c),
+            "down": down,
         }
         timed = {}
         for name in ("gate_up", "down"):  # gate-up first: the down candidates read its activation
@@ -210,7 +250,7 @@ def tune_tokens(tokens: int, args, weights, deadline: float, log: list) -> dict 
                 row = {"tokens": tokens, "BLOCK_M": block_m, "gemm": name, "config": cfg, "rows_padded": padded}
                 try:
                     calls[name](cfg)
-                    err = check.gate_up(act, act_s) if name == "gate_up" else check.down(act, act_s, out)
+                    err = check.gate_up(act, act_s) if name == "gate_up" else check_down(cfg)
                     ms = bench(lambda: calls[name](cfg))
                 except Exception as exc:  # compile failure, out of shared memory: not a candidate
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"

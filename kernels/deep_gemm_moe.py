@@ -45,17 +45,18 @@ def _rows_u8(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)[index].view(t.dtype) if t.dtype == FP8_DTYPE else t[index]
 
 
-def contiguous_layout(x_q: torch.Tensor, x_s: torch.Tensor, aligned: AlignedTokens,
-                      top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token rows in the aligned layout (block_m = 128): A (rows, H) fp8, scales (rows, H/128), m_indices (rows,).
+def contiguous_layout(x_q: torch.Tensor, x_s: torch.Tensor, aligned: AlignedTokens, top_k: int,
+                      align: int = CONTIGUOUS_ALIGN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token rows in the aligned layout: A (rows, H) fp8, scales (rows, H/128), m_indices (rows,).
 
-    Padding rows copy some valid row (m_indices -1 tells DeepGEMM to skip them)."""
-    assert aligned.block_m % CONTIGUOUS_ALIGN == 0, "DeepGEMM's contiguous layout needs 128-row segments"
+    Padding rows copy some valid row (m_indices -1 tells the GEMM to skip them). DeepGEMM needs segments aligned
+    to 128 rows (`align`); our Triton version of its GEMM also takes 64 (triton_grouped_gemm.py)."""
+    assert aligned.block_m % align == 0, f"the contiguous layout needs {align}-row segments"
+    from .moe_align import row_experts  # NOTE: moe_align imports triton; this module must not at import
+
     pairs = aligned.num_pairs
     token = aligned.sorted_token_ids.long().clamp(max=max(pairs - 1, 0)) // top_k  # (rows,)
-    m_indices = aligned.expert_ids.repeat_interleave(aligned.block_m)
-    m_indices = torch.where(aligned.sorted_token_ids < pairs, m_indices, -1).int()
-    return _rows_u8(x_q, token), x_s[token], m_indices
+    return _rows_u8(x_q, token), x_s[token], row_experts(aligned)
 
 
 def masked_layout(x_q: torch.Tensor, x_s: torch.Tensor, aligned: AlignedTokens, top_k: int, num_experts: int,
@@ -82,10 +83,10 @@ def masked_layout(x_q: torch.Tensor, x_s: torch.Tensor, aligned: AlignedTokens, 
 # ---- the DeepGEMM contract in plain torch (CPU tests) ----------------------------------------------------------
 
 def contiguous_grouped_reference(a_pair: tuple[torch.Tensor, torch.Tensor], b_pair: tuple[torch.Tensor, torch.Tensor],
-                                 d: torch.Tensor, m_indices: torch.Tensor) -> None:
+                                 d: torch.Tensor, m_indices: torch.Tensor, block_m: int = CONTIGUOUS_ALIGN) -> None:
     """d[r] = dequant(a[r]) @ dequant(b[m_indices[r]])^T for rows with m_indices >= 0; other rows untouched."""
     (a, sa), (b, sb) = a_pair, b_pair
-    assert a.shape[0] % CONTIGUOUS_ALIGN == 0, "DeepGEMM wants M aligned to 128 in the contiguous layout"
+    assert a.shape[0] % block_m == 0, f"the contiguous layout has M aligned to {block_m}"
     a_deq = block_dequant(a, sa, (1, GROUP))  # (M, K) fp32
     for g in torch.unique(m_indices[m_indices >= 0]).tolist():
         rows = torch.nonzero(m_indices == g).squeeze(1)

@@ -169,3 +169,9 @@ def inverse_rows(aligned: AlignedTokens) -> torch.Tensor:
     # Padding rows all write to the extra slot P, which is dropped.
     inv.scatter_(0, aligned.sorted_token_ids.long(), torch.arange(rows, device=inv.device))
     return inv[:aligned.num_pairs]
+
+
+def row_experts(aligned: AlignedTokens) -> torch.Tensor:
+    """(rows,) int32: the expert of every row of the aligned layout, -1 on padding rows (DeepGEMM's m_indices)."""
+    experts = aligned.expert_ids.repeat_interleave(aligned.block_m)
+    return torch.where(aligned.sorted_token_ids < aligned.num_pairs, experts, -1).int()

@@ -9,6 +9,9 @@ Per call, with T tokens, top_k slots, P = T * top_k (token, slot) pairs, E exper
    program covers 128 columns: BLOCK_N = 256, or BLOCK_N = 128 run twice; other tiles quantize separately);
 4. down kernel: act[pair] @ w2[e]^T times the pair's routing weight, written per pair as (P, H);
 5. the combine sums each token's top_k rows into (T, H).
+A config whose down entry says "LAYOUT": "contiguous" runs step 4 as DeepGEMM's contiguous grouped GEMM in
+Triton (triton_grouped_gemm.py: TMA loads): gate-up then writes its activation by layout row, and the combine
+gathers each pair's row (`gather_combine`).
 Everything is sized by T (never by routing results): no host syncs, so the whole layer captures in a CUDA graph.
 Programs whose rows are all past `num_tokens_post_padded` exit at once.
 
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .gemm import FP8_DTYPE, FP8_MAX, INV_FP8_MAX
-from .moe_align import AlignedTokens, align_tokens_layout
+from .moe_align import AlignedTokens, align_tokens_layout, inverse_rows, row_experts
 from .moe_configs import get_config
 from .triton_fp8 import GROUP, per_token_group_quant
 from .triton_support import interpreter_requested, patch_interpreter_for_numpy2
@@ -127,7 +130,7 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
                       stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                       stride_om, stride_osm, stride_osg,
                       A_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
-                      QUANT_OUT: tl.constexpr, IEEE: tl.constexpr, WS_MODE: tl.constexpr,
+                      QUANT_OUT: tl.constexpr, OUT_BY_ROW: tl.constexpr, IEEE: tl.constexpr, WS_MODE: tl.constexpr,
                       FP8_MAX_C: tl.constexpr, INV_FP8_MAX_C: tl.constexpr, GROUP_N: tl.constexpr,
                       GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_N: tl.constexpr,
                       SUB_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
@@ -135,7 +138,8 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
 
     A (rows, K) (fp8 + (rows, K/128) scales, or bf16/fp32); W (E, N or 2N, K) (fp8 + (E, ./128, K/128) scales).
     GLU: W holds [gate; up] (2N rows) and f = SiLU(gate) * up. MUL_WEIGHT: f times the pair's routing weight.
-    QUANT_OUT: the result is written as fp8 with one fp32 scale per 128 columns (os_ptr). A program writes
+    QUANT_OUT: the result is written as fp8 with one fp32 scale per 128 columns (os_ptr). OUT_BY_ROW: output rows
+    are the layout's rows (padding rows left unset) instead of the pairs. A program writes
     SUB_N * OUT_N columns: SUB_N = 2 (QUANT_OUT only) runs two 64-column blocks back to back, so that a 128-column
     scale group stays in one program while the accumulator stays small (2 CTAs per SM at 4 warps)."""
     tl.static_assert(SUB_N == 1 or (QUANT_OUT and not MUL_WEIGHT and SUB_N * OUT_N == GROUP_N))
@@ -166,7 +170,11 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
     if MUL_WEIGHT:
         h = h * tl.load(topk_w_ptr + offs_tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
 
-    out_rows = offs_tok.to(tl.int64) * stride_om
+    if OUT_BY_ROW:  # output row = the aligned layout's row (a contiguous-layout GEMM reads it next)
+        out_idx = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    else:  # output row = the pair
+        out_idx = offs_tok.to(tl.int64)
+    out_rows = out_idx * stride_om
     offs_n = col0 + tl.arange(0, OUT_N)
     st_mask = tok_ok[:, None] & (offs_n[None, :] < N)
     if QUANT_OUT:
@@ -176,14 +184,14 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
             scale = tl.maximum(amax, 1e-12) * INV_FP8_MAX_C  # (BLOCK_M,)
             q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
             q2 = tl.minimum(tl.maximum(tl.math.div_rn(h2, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-            tl.store(os_ptr + offs_tok.to(tl.int64) * stride_osm + (col0 // GROUP_N) * stride_osg, scale,
+            tl.store(os_ptr + out_idx * stride_osm + (col0 // GROUP_N) * stride_osg, scale,
                      mask=tok_ok)
             tl.store(out_ptr + out_rows[:, None] + (offs_n + OUT_N)[None, :], q2.to(out_ptr.dtype.element_ty),
                      mask=tok_ok[:, None] & ((offs_n + OUT_N)[None, :] < N))
         elif OUT_N == GROUP_N:  # one group per tile: a plain row reduction
             scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) * INV_FP8_MAX_C  # (BLOCK_M,)
             q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-            tl.store(os_ptr + offs_tok.to(tl.int64) * stride_osm + (col0 // GROUP_N) * stride_osg, scale,
+            tl.store(os_ptr + out_idx * stride_osm + (col0 // GROUP_N) * stride_osg, scale,
                      mask=tok_ok)
         else:
             G: tl.constexpr = OUT_N // GROUP_N
@@ -192,7 +200,7 @@ def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, topk_w_ptr,
             q = tl.minimum(tl.maximum(tl.math.div_rn(hg, scale[:, :, None]), -FP8_MAX_C), FP8_MAX_C)
             q = tl.reshape(q, (BLOCK_M, OUT_N))
             offs_g = col0 // GROUP_N + tl.arange(0, G)
-            tl.store(os_ptr + offs_tok.to(tl.int64)[:, None] * stride_osm + offs_g[None, :] * stride_osg, scale,
+            tl.store(os_ptr + out_idx[:, None] * stride_osm + offs_g[None, :] * stride_osg, scale,
                      mask=tok_ok[:, None] & (offs_g[None, :] * GROUP_N < N))
         tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], q.to(out_ptr.dtype.element_ty), mask=st_mask)
     else:
@@ -261,8 +269,9 @@ def gate_up_fuses_quant(cfg: dict, inter: int) -> bool:
 def invoke_fused_moe_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor,
                           w_scale: Optional[torch.Tensor], out: torch.Tensor, out_scale: Optional[torch.Tensor],
                           topk_weights: Optional[torch.Tensor], aligned: AlignedTokens, a_div: int, glu: bool,
-                          block_m: int, cfg: dict) -> None:
-    """One grouped GEMM over the aligned layout (see `_fused_moe_kernel`); writes `out` (P, N) per pair."""
+                          block_m: int, cfg: dict, out_by_row: bool = False) -> None:
+    """One grouped GEMM over the aligned layout (see `_fused_moe_kernel`); writes `out` (P, N) per pair, or with
+    out_by_row (rows, N) per row of the layout."""
     n = w.shape[1] // 2 if glu else w.shape[1]
     k = w.shape[2]
     fp8 = w.dtype == FP8_DTYPE
@@ -284,7 +293,7 @@ def invoke_fused_moe_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: t
         w.stride(0), w.stride(1), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
         w_scale.stride(2) if fp8 else 0,
         out.stride(0), out_scale.stride(0) if quant_out else 0, out_scale.stride(1) if quant_out else 0,
-        A_DIV=a_div, GLU=glu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, QUANT_OUT=quant_out,
+        A_DIV=a_div, GLU=glu, MUL_WEIGHT=topk_weights is not None, FP8=fp8, QUANT_OUT=quant_out, OUT_BY_ROW=out_by_row,
         IEEE=a.dtype == torch.float32, FP8_MAX_C=FP8_MAX, INV_FP8_MAX_C=INV_FP8_MAX, GROUP_N=GROUP,
         GROUP_K=GROUP, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **geo)
@@ -314,14 +323,31 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         a, a_scale = per_token_group_quant(x)  # (T, H) fp8, (T, H/128)
     else:
         a, a_scale = x, None
+    # The contiguous down GEMM (TMA, triton_grouped_gemm.py) reads the activation by layout row: gate-up writes
+    # it so, quantized in its epilogue, and the combine gathers each pair's row.
+    contiguous_down = cfg["down"].get("LAYOUT") == "contiguous"
+    if contiguous_down and not fuse_quant:
+        raise ValueError("a contiguous down GEMM needs fp8 weights and a gate-up tile that fuses the activation's "
+                         "quantization (BLOCK_N 128 or 256)")
+    act_rows = aligned.sorted_token_ids.numel() if contiguous_down else pairs
     # A tile too narrow to fuse the 1x128 quantization writes the activation in fp32, so that the separate
     # quantizer sees the values the fused epilogue would (a bf16 round trip first moves some fp8 codes).
     act_dtype = FP8_DTYPE if fuse_quant else torch.float32 if fp8 else x.dtype
-    act = torch.empty(pairs, inter, dtype=act_dtype, device=x.device)
-    act_scale = (torch.empty(pairs, triton.cdiv(inter, GROUP), dtype=torch.float32, device=x.device)
+    act = torch.empty(act_rows, inter, dtype=act_dtype, device=x.device)
+    act_scale = (torch.empty(act_rows, triton.cdiv(inter, GROUP), dtype=torch.float32, device=x.device)
                  if fuse_quant else None)
     invoke_fused_moe_gemm(a, a_scale, w13, w13_scale, act, act_scale, None, aligned, top_k, True, block_m,
-                          cfg["gate_up"])
+                          cfg["gate_up"], out_by_row=contiguous_down)
+    if contiguous_down:
+        from .triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
+
+        # NOTE: padding rows of `act` are never written (they hold whatever memory was there); the grouped GEMM
+        # computes over them but never stores them, and the combine reads only pairs' rows.
+        down = torch.empty(act_rows, hidden, dtype=x.dtype, device=x.device)
+        gemm_cfg = {key: val for key, val in cfg["down"].items() if key != "LAYOUT"}
+        m_grouped_fp8_gemm_nt_contiguous((act, act_scale), (w2, w2_scale), down, row_experts(aligned), block_m,
+                                         gemm_cfg)
+        return gather_combine(down, inverse_rows(aligned), topk_weights, x.dtype)
     if fp8 and not fuse_quant:
         act, act_scale = per_token_group_quant(act)
 

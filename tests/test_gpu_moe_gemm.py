@@ -138,22 +138,27 @@ def test_fused_moe_fp8_v3(fp8_experts, tokens):
     assert out.dtype == torch.bfloat16 and err < 1e-2 and loose < 8e-2
 
 
-def _gemm(block_n, warps, stages):
-    return dict(BLOCK_N=block_n, BLOCK_K=128, GROUP_M=16, num_warps=warps, num_stages=stages)
+def _gemm(block_n, warps, stages, layout=None):
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=128, GROUP_M=16, num_warps=warps, num_stages=stages)
+    return dict(cfg, LAYOUT=layout) if layout else cfg
 
 
 # Every kernel variant the prefill sweep (benchmarks/tune_moe.py --space prefill) can pick, compiled for this GPU:
 # gate-up tiles of 128 weight rows (two 64-column blocks per program) or 256 (128 columns at once); down tiles with
-# one (128) or two (256) weight scales per K step; BLOCK_M 64 and 128; and 64-row gate-up tiles (quantized apart).
+# one (128) or two (256) weight scales per K step; BLOCK_M 64 and 128; 64-row gate-up tiles (quantized apart); and
+# the down GEMM on the contiguous layout (TMA grouped GEMM, activation written by layout row), at 512 and 4096
+# tokens.
+@pytest.mark.parametrize("tokens", [512, 4096])
 @pytest.mark.parametrize("block_m,gate_up,down", [
     (64, _gemm(128, 4, 3), _gemm(128, 4, 4)),
     (64, _gemm(256, 8, 4), _gemm(256, 8, 3)),
     (128, _gemm(128, 8, 4), _gemm(128, 8, 3)),
     (64, _gemm(64, 4, 3), _gemm(64, 4, 4)),
-], ids=["m64-n128", "m64-n256", "m128-n128", "m64-n64"])
-def test_fused_moe_fp8_v3_tile_variants(fp8_experts, block_m, gate_up, down):
+    (64, _gemm(256, 8, 4), _gemm(128, 4, 4, "contiguous")),
+    (128, _gemm(128, 8, 4), _gemm(128, 8, 4, "contiguous")),
+], ids=["m64-n128", "m64-n256", "m128-n128", "m64-n64", "m64-n256-contiguous-down", "m128-n128-contiguous-down"])
+def test_fused_moe_fp8_v3_tile_variants(fp8_experts, block_m, gate_up, down, tokens):
     w13, w2, s13, s2 = fp8_experts
-    tokens = 512
     weights, ids = v3_routing(tokens, 11)
     x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16)
     cfg = {"BLOCK_M": block_m, "gate_up": gate_up, "down": down}
@@ -162,6 +167,31 @@ def test_fused_moe_fp8_v3_tile_variants(fp8_experts, block_m, gate_up, down):
     err = rel_err(out, ref)
     print(f"fp8 MoE T={tokens} {cfg}: {err:.2e} vs the same FP8 recipe")
     assert out.dtype == torch.bfloat16 and err < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [512, 4096])
+@pytest.mark.parametrize("block_m,warps,stages", [(128, 8, 4), (64, 4, 4), (64, 8, 3)])
+def test_triton_contiguous_grouped_gemm_v3(fp8_experts, tokens, block_m, warps, stages):
+    """triton_grouped_gemm (TMA loads) against DeepGEMM's contract in torch, both V3 GEMMs."""
+    from pdserve.kernels import deep_gemm_moe, triton_grouped_gemm
+
+    w13, w2, s13, s2 = fp8_experts
+    _, ids = v3_routing(tokens, 5)
+    xq, xs = triton_fp8.per_token_group_quant(torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16))
+    aligned = moe_align.align_tokens_layout(ids, E, block_m)
+    a, sa, m_indices = deep_gemm_moe.contiguous_layout(xq, xs, aligned, TOP_K, align=block_m)
+    cfg = dict(BLOCK_N=128, GROUP_M=8, num_warps=warps, num_stages=stages)
+    pad = m_indices < 0
+    for w, ws in ((w13, s13), (w2, s2)):
+        k = w.shape[2]
+        lhs = (a, sa) if k == H else triton_fp8.per_token_group_quant(torch.randn(a.shape[0], k, device=DEV))
+        d = torch.full((a.shape[0], w.shape[1]), float("nan"), device=DEV, dtype=torch.bfloat16)
+        triton_grouped_gemm.m_grouped_fp8_gemm_nt_contiguous(lhs, (w, ws), d, m_indices, block_m, cfg)
+        ref = torch.zeros(d.shape, device=DEV)
+        deep_gemm_moe.contiguous_grouped_reference(lhs, (w, ws), ref, m_indices, block_m)
+        err = rel_err(d[~pad], ref[~pad])
+        print(f"contiguous T={tokens} block_m={block_m} warps={warps} N={w.shape[1]} K={k}: {err:.2e}")
+        assert d[pad].isnan().all() and err < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [16, 128])

@@ -323,6 +323,10 @@ def test_moe_config_lookup(tmp_path, monkeypatch):
         moe_configs.load_configs.cache_clear()
         with pytest.raises(ValueError, match="tune_moe"):
             moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")
+        (tmp_path / name).write_text(json.dumps({"1": dict(entry, down=dict(entry["down"], LAYOUT="masked"))}))
+        moe_configs.load_configs.cache_clear()
+        with pytest.raises(ValueError, match="LAYOUT"):
+            moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")
     finally:
         moe_configs.load_configs.cache_clear()
 
@@ -350,6 +354,60 @@ def test_contiguous_layout_follows_deep_gemm_contract():
     assert torch.equal(m_indices[~pad].long(), ids.reshape(-1)[sid[~pad]])
     assert torch.equal(a[~pad].view(torch.uint8), xq[sid[~pad] // 3].view(torch.uint8))
     assert torch.equal(sa[~pad], xs[sid[~pad] // 3])
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("hidden", [384, 208])  # K/128 = 3, and a ragged K (TMA zero-fills past it)
+def test_triton_contiguous_grouped_gemm_follows_deep_gemm_contract(block_m, hidden):
+    """triton_grouped_gemm's m_grouped_fp8_gemm_nt_contiguous against the contract's torch reference, on the
+    layout contiguous_layout builds: rows of every group computed, padding rows (poisoned) left untouched."""
+    from pdserve.kernels import triton_grouped_gemm
+
+    x, _, ids, _, _ = _fp8_problem(17, 3, hidden=hidden)
+    gen = torch.Generator().manual_seed(hidden + block_m)
+    n = 256
+    wq, ws = block_quant(torch.randn(8, n, hidden, generator=gen) * hidden ** -0.5)
+    xq, xs = per_token_group_quant(x)
+    aligned = moe_align.align_tokens_layout(ids, 8, block_m)
+    a, sa, m_indices = deep_gemm_moe.contiguous_layout(xq, xs, aligned, 3, align=block_m)
+    d = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    triton_grouped_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (wq, ws), d, m_indices, block_m)
+    ref = torch.full((a.shape[0], n), float("nan"))
+    deep_gemm_moe.contiguous_grouped_reference((a, sa), (wq, ws), ref, m_indices, block_m)
+    pad = m_indices < 0
+    assert pad.any() and d[pad].isnan().all(), "padding rows untouched"
+    assert rel_err(d[~pad], ref[~pad]) < 8e-3  # bf16 output
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_fused_moe_with_contiguous_down_gemm(block_m):
+    """A config whose down GEMM runs on the contiguous layout (gate-up writes its fp8 activation by layout row, the
+    TMA grouped GEMM, then the gathered combine) gives the same FP8 recipe as the fused path."""
+    gen = torch.Generator().manual_seed(block_m)
+    inter, hidden = 256, 256
+    w13, w2 = _experts(8, hidden, inter, gen)
+    (w13q, s13), (w2q, s2) = block_quant(w13), block_quant(w2)
+    x = torch.randn(9, hidden, generator=gen)
+    ids = _random_ids(9, 3, 8, gen)
+    weights = torch.rand(9, 3, generator=gen)
+    gate_up = dict(BLOCK_N=256, BLOCK_K=128, GROUP_M=2, num_warps=4, num_stages=2)
+    cfg = {"BLOCK_M": block_m, "gate_up": gate_up, "down": dict(gate_up, BLOCK_N=128, LAYOUT="contiguous")}
+    out = triton_moe_kernels.fused_experts(x, weights, ids, w13q, w2q, s13, s2, config=cfg)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, fp8_moe_reference(x, weights, ids, w13q, s13, w2q, s2)) < 2e-3
+    with pytest.raises(ValueError, match="contiguous down GEMM"):  # the activation must come out quantized
+        triton_moe_kernels.fused_experts(x, weights, ids, w13q, w2q, s13, s2,
+                                         config=dict(cfg, gate_up=dict(gate_up, BLOCK_N=64)))
+
+
+def test_triton_contiguous_grouped_gemm_refuses_bad_layouts():
+    from pdserve.kernels import triton_grouped_gemm
+
+    a = torch.zeros(100, 256, dtype=FP8_DTYPE)  # 100 rows: not a multiple of 64
+    b = torch.zeros(2, 256, 256, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="contiguous layout"):
+        triton_grouped_gemm.m_grouped_fp8_gemm_nt_contiguous((a, torch.ones(100, 2)), (b, torch.ones(2, 2, 2)),
+                                                             torch.empty(100, 256), torch.zeros(100).int(), 64)
 
 
 def test_masked_layout_follows_deep_gemm_contract():
