@@ -137,12 +137,8 @@ def bench_moe(token_counts: list[int], config_path: str | None = None) -> list[d
         if not fused:
             act, act_s = triton_fp8.per_token_group_quant(act)
         if by_row:
-            from pdserve.kernels.triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
-
-            experts = moe_align.row_experts(aligned)
-            down_cfg = {key: val for key, val in cfg["down"].items() if key != "LAYOUT"}
-            t_down = cuda_time(lambda: m_grouped_fp8_gemm_nt_contiguous((act, act_s), (w2, s2), out, experts, block_m,
-                                                                        down_cfg), iters=10)
+            t_down = cuda_time(lambda: k.contiguous_down_gemm(act, act_s, w2, s2, out, aligned, cfg["down"]),
+                               iters=10)
         else:
             t_down = cuda_time(lambda: k.invoke_fused_moe_gemm(act, act_s, w2, s2, out, None, weights.view(-1),
                                                                aligned, 1, False, block_m, cfg["down"]), iters=10)
@@ -278,7 +274,7 @@ def main() -> None:
     p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--contiguous", action="store_true",
-                   help="also time the contiguous-layout MoE (Triton grouped GEMM with TMA + warp specialization)")
+                   help="also time the contiguous-layout MoE (our Triton grouped GEMM with TMA loads)")
     p.add_argument("--moe-config", help="MoE config table (kernels/configs/moe/ format) to use instead of the "
                                          "committed one for this GPU")
     p.add_argument("--out", help="write the results as JSON here")

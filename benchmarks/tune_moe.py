@@ -182,7 +182,7 @@ def fmt(cfg: dict) -> str:
 
 
 def tune_tokens(tokens: int, args, weights, deadline: float, log: list) -> dict | None:
-    from pdserve.kernels import moe_align, triton_fp8, triton_grouped_gemm as gg, triton_moe_kernels as k
+    from pdserve.kernels import moe_align, triton_fp8, triton_moe_kernels as k
 
     w13, w2, s13, s2 = weights
     fp8 = args.dtype == "fp8"
@@ -213,8 +213,7 @@ def tune_tokens(tokens: int, args, weights, deadline: float, log: list) -> dict 
                 act_rows_s = torch.empty(rows, args.inter // 128, device=DEVICE)
                 k.invoke_fused_moe_gemm(a, a_scale, w13, s13, act_rows, act_rows_s, None, aligned, args.top_k, True,
                                         block_m, timed["gate_up"][1], out_by_row=True)
-                by_row.update(act=act_rows, act_s=act_rows_s, experts=moe_align.row_experts(aligned),
-                              row_of_pair=moe_align.inverse_rows(aligned),
+                by_row.update(act=act_rows, act_s=act_rows_s, row_of_pair=moe_align.inverse_rows(aligned),
                               out=torch.empty(rows, args.hidden, dtype=torch.bfloat16, device=DEVICE))
             return by_row
 
@@ -223,8 +222,7 @@ def tune_tokens(tokens: int, args, weights, deadline: float, log: list) -> dict 
                 return k.invoke_fused_moe_gemm(act, act_s, w2, s2, out, None, topk_w_flat, aligned, 1, False,
                                                block_m, c)
             r = contiguous_inputs()
-            gg.m_grouped_fp8_gemm_nt_contiguous((r["act"], r["act_s"]), (w2, s2), r["out"], r["experts"], block_m,
-                                                {key: val for key, val in c.items() if key != "LAYOUT"})
+            k.contiguous_down_gemm(r["act"], r["act_s"], w2, s2, r["out"], aligned, c)
 
         def check_down(c) -> float:
             if c.get("LAYOUT") != "contiguous":

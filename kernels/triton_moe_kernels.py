@@ -299,6 +299,17 @@ def invoke_fused_moe_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: t
         EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **geo)
 
 
+def contiguous_down_gemm(act: torch.Tensor, act_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                         out: torch.Tensor, aligned: AlignedTokens, cfg: dict) -> None:
+    """The down GEMM of a `"LAYOUT": "contiguous"` config: act (rows, I) fp8 by layout row -> out (rows, H) by layout
+    row, without the routing weights (the combine applies them)."""
+    from .triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
+
+    gemm_cfg = {key: val for key, val in cfg.items() if key != "LAYOUT"}
+    m_grouped_fp8_gemm_nt_contiguous((act, act_scale), (w2, w2_scale), out, row_experts(aligned), aligned.block_m,
+                                     gemm_cfg)
+
+
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
                   config: Optional[dict] = None, device: Optional[str] = None) -> torch.Tensor:
@@ -339,14 +350,10 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     invoke_fused_moe_gemm(a, a_scale, w13, w13_scale, act, act_scale, None, aligned, top_k, True, block_m,
                           cfg["gate_up"], out_by_row=contiguous_down)
     if contiguous_down:
-        from .triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
-
         # NOTE: padding rows of `act` are never written (they hold whatever memory was there); the grouped GEMM
         # computes over them but never stores them, and the combine reads only pairs' rows.
         down = torch.empty(act_rows, hidden, dtype=x.dtype, device=x.device)
-        gemm_cfg = {key: val for key, val in cfg["down"].items() if key != "LAYOUT"}
-        m_grouped_fp8_gemm_nt_contiguous((act, act_scale), (w2, w2_scale), down, row_experts(aligned), block_m,
-                                         gemm_cfg)
+        contiguous_down_gemm(act, act_scale, w2, w2_scale, down, aligned, cfg["down"])
         return gather_combine(down, inverse_rows(aligned), topk_weights, x.dtype)
     if fp8 and not fuse_quant:
         act, act_scale = per_token_group_quant(act)
