@@ -5,8 +5,9 @@ Files live in kernels/configs/moe/, one per (E, N, K, dtype, device), named as v
 with N = the expert intermediate size I (w2 is (E, H, I)), K = the hidden size H, dtype "fp8_w8a8" (block-FP8
 weights, 128x128) or the weight dtype's name ("bfloat16"), device the CUDA device name with spaces as
 underscores (e.g. NVIDIA_H100_80GB_HBM3). Content: {"<tokens>": {"BLOCK_M": .., "gate_up": {...}, "down":
-{...}}}, where each GEMM's entry holds BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (and the down GEMM
-optionally LAYOUT, see DOWN_LAYOUTS); both GEMMs share BLOCK_M because they walk the same aligned token layout.
+{...}}}, where each GEMM's entry holds BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (optionally LAYOUT, see
+DOWN_LAYOUTS, and for a contiguous GEMM KERNEL "triton" or "gluon" with the Gluon kernel's STAGES and UNROLL in
+place of BLOCK_N..num_stages); both GEMMs share BLOCK_M because they walk the same aligned token layout.
 BLOCK_N counts weight rows per tile, as in vLLM/SGLang configs: a gate-up tile of BLOCK_N rows holds BLOCK_N / 2
 gate rows and their up rows, so it yields BLOCK_N / 2 activation columns (fp8: 128 or 256 keep the activation's
 1x128 quantization fused). A call with T tokens takes the entry whose key is nearest T; with no file,
@@ -24,8 +25,10 @@ import torch
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs" / "moe"
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+GLUON_KEYS = ("GROUP_M", "num_warps", "STAGES", "UNROLL")
 # The down GEMM's optional "LAYOUT": "fused" (default: the fused kernel reads the activation per pair) or
-# "contiguous" (DeepGEMM's contiguous layout, triton_grouped_gemm.py; the activation by layout row).
+# "contiguous" (DeepGEMM's contiguous layout, triton_grouped_gemm.py; the activation by layout row). The gate-up
+# GEMM may be "contiguous" too, when the down GEMM is (then the token rows are gathered into that layout first).
 DOWN_LAYOUTS = ("fused", "contiguous")
 
 
@@ -52,12 +55,19 @@ def load_configs(num_experts: int, inter: int, hidden: int, dtype: str, device: 
     with open(path) as f:
         table = {int(m): cfg for m, cfg in json.load(f).items()}
     for m, cfg in table.items():
-        missing = [k for k in GEMM_KEYS for g in ("gate_up", "down") if k not in cfg.get(g, {})]
+        gemms = [cfg.get(g, {}) for g in ("gate_up", "down")]
+        missing = [k for gemm in gemms for k in _required_keys(gemm) if k not in gemm]
         if "BLOCK_M" not in cfg or missing:
             raise ValueError(f"{path}: entry {m} lacks BLOCK_M or {missing}; rerun benchmarks/tune_moe.py")
-        if cfg["down"].get("LAYOUT", "fused") not in DOWN_LAYOUTS or "LAYOUT" in cfg["gate_up"]:
-            raise ValueError(f"{path}: entry {m}: down LAYOUT must be one of {DOWN_LAYOUTS} (gate_up has none)")
+        layouts = [gemm.get("LAYOUT", "fused") for gemm in gemms]
+        if any(lay not in DOWN_LAYOUTS for lay in layouts) or layouts == ["contiguous", "fused"]:
+            raise ValueError(f"{path}: entry {m}: LAYOUT must be one of {DOWN_LAYOUTS}, and a contiguous gate_up "
+                             f"needs a contiguous down")
     return table
+
+
+def _required_keys(gemm_cfg: dict) -> tuple[str, ...]:
+    return GLUON_KEYS if gemm_cfg.get("KERNEL") == "gluon" else GEMM_KEYS
 
 
 def default_config(tokens: int, num_experts: int, top_k: int, fp8: bool) -> dict:

@@ -72,6 +72,17 @@ def _grouped_fp8_contiguous_kernel(a_desc, as_ptr, b_desc, bs_ptr, d_ptr, m_idx_
              mask=rows_ok[:, None])
 
 
+def check_contiguous_shapes(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor,
+                            block_m: int) -> None:
+    """ValueError unless A (M, K), B (G, N, K), d (M, N), m_indices (M,) follow the contiguous layout in fp8."""
+    rows, k = a.shape
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        raise ValueError(f"m_grouped_fp8_gemm_nt_contiguous takes fp8 A and B, got {a.dtype} and {b.dtype}")
+    if b.shape[2] != k or rows % block_m or m_indices.shape != (rows,) or d.shape != (rows, b.shape[1]):
+        raise ValueError(f"shapes do not follow the contiguous layout: A {tuple(a.shape)}, B {tuple(b.shape)}, "
+                         f"d {tuple(d.shape)}, m_indices {tuple(m_indices.shape)}, block_m {block_m}")
+
+
 def default_contiguous_config(block_m: int) -> dict:
     """Tiles for `m_grouped_fp8_gemm_nt_contiguous`: the best of the H100 sweep in gpu_run21 (64 x 128 at 4 warps;
     128-row blocks need 8 warps to keep the fp32 tile and its K-step product in registers)."""
@@ -82,16 +93,20 @@ def m_grouped_fp8_gemm_nt_contiguous(a_pair: tuple[torch.Tensor, torch.Tensor],
                                      b_pair: tuple[torch.Tensor, torch.Tensor], d: torch.Tensor,
                                      m_indices: torch.Tensor, block_m: int = 128,
                                      config: Optional[dict] = None) -> None:
-    """DeepGEMM's contiguous grouped GEMM (see the module docstring); `block_m` is the layout's row alignment."""
+    """DeepGEMM's contiguous grouped GEMM (see the module docstring); `block_m` is the layout's row alignment.
+    A config with "KERNEL": "gluon" runs the Gluon version (gluon_grouped_gemm.py, Hopper only) instead."""
+    if config and config.get("KERNEL", "triton") != "triton":
+        if config["KERNEL"] != "gluon":
+            raise ValueError(f"unknown grouped GEMM kernel {config['KERNEL']!r}: triton or gluon")
+        from .gluon_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous as gluon_gemm
+
+        return gluon_gemm(a_pair, b_pair, d, m_indices, block_m, {k: v for k, v in config.items() if k != "KERNEL"})
     (a, sa), (b, sb) = a_pair, b_pair
     rows, k = a.shape
-    groups, n, kb = b.shape
-    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
-        raise ValueError(f"m_grouped_fp8_gemm_nt_contiguous takes fp8 A and B, got {a.dtype} and {b.dtype}")
-    if k != kb or rows % block_m or m_indices.shape != (rows,) or d.shape != (rows, n):
-        raise ValueError(f"shapes do not follow the contiguous layout: A {tuple(a.shape)}, B {tuple(b.shape)}, "
-                         f"d {tuple(d.shape)}, m_indices {tuple(m_indices.shape)}, block_m {block_m}")
+    groups, n, _ = b.shape
+    check_contiguous_shapes(a, b, d, m_indices, block_m)
     cfg = dict(config or default_contiguous_config(block_m))
+    cfg.pop("KERNEL", None)
     block_n = cfg.pop("BLOCK_N")
     if n % block_n or GROUP % block_n or cfg.pop("BLOCK_K", GROUP) != GROUP or k % 16:
         raise ValueError(f"N = {n} must be a multiple of BLOCK_N = {block_n} (which must divide 128), BLOCK_K must "

@@ -305,9 +305,32 @@ def contiguous_down_gemm(act: torch.Tensor, act_scale: torch.Tensor, w2: torch.T
     row, without the routing weights (the combine applies them)."""
     from .triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
 
-    gemm_cfg = {key: val for key, val in cfg.items() if key != "LAYOUT"}
     m_grouped_fp8_gemm_nt_contiguous((act, act_scale), (w2, w2_scale), out, row_experts(aligned), aligned.block_m,
-                                     gemm_cfg)
+                                     _without_layout(cfg))
+
+
+def _contiguous_experts(a, a_scale, topk_weights, w13, w2, w13_scale, w2_scale, aligned: AlignedTokens,
+                        top_k: int, cfg: dict, out_dtype: torch.dtype) -> torch.Tensor:
+    """Both GEMMs on DeepGEMM's contiguous layout (a config whose gate_up says "LAYOUT": "contiguous"): the token
+    rows gathered into the aligned layout, gate-up into bf16, SiLU-and-mul with the 1x128 quantization, the down
+    GEMM, the weighted combine. The gather and the bf16 round trip cost a pass over the activations each, which
+    pays where the grouped GEMM is enough faster than the fused gate-up: the Gluon kernel at >= 16k tokens on the
+    H100 (benchmarks/results/README.md, gpu_run24)."""
+    from .deep_gemm_moe import contiguous_layout
+    from .triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
+
+    rows_a, rows_s, m_indices = contiguous_layout(a, a_scale, aligned, top_k, align=aligned.block_m)
+    gate_up = torch.empty(rows_a.shape[0], w13.shape[1], dtype=torch.bfloat16, device=a.device)
+    m_grouped_fp8_gemm_nt_contiguous((rows_a, rows_s), (w13, w13_scale), gate_up, m_indices, aligned.block_m,
+                                     _without_layout(cfg["gate_up"]))
+    act, act_scale = silu_mul_quant(gate_up)
+    down = torch.empty(rows_a.shape[0], w2.shape[1], dtype=out_dtype, device=a.device)
+    contiguous_down_gemm(act, act_scale, w2, w2_scale, down, aligned, cfg["down"])
+    return gather_combine(down, inverse_rows(aligned), topk_weights, out_dtype)
+
+
+def _without_layout(gemm_cfg: dict) -> dict:
+    return {key: val for key, val in gemm_cfg.items() if key != "LAYOUT"}
 
 
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -328,12 +351,17 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     x = x if x.stride(1) == 1 else x.contiguous()
     aligned = align_tokens_layout(topk_ids, num_experts, block_m)
     pairs = aligned.num_pairs
-    fuse_quant = fp8 and gate_up_fuses_quant(cfg["gate_up"], inter)
 
     if fp8:
         a, a_scale = per_token_group_quant(x)  # (T, H) fp8, (T, H/128)
     else:
         a, a_scale = x, None
+    if cfg["gate_up"].get("LAYOUT") == "contiguous":
+        if not fp8 or cfg["down"].get("LAYOUT") != "contiguous":
+            raise ValueError("a contiguous gate-up GEMM takes fp8 expert weights and a contiguous down GEMM")
+        return _contiguous_experts(a, a_scale, topk_weights, w13, w2, w13_scale, w2_scale, aligned, top_k, cfg,
+                                   x.dtype)
+    fuse_quant = fp8 and gate_up_fuses_quant(cfg["gate_up"], inter)
     # The contiguous down GEMM (TMA, triton_grouped_gemm.py) reads the activation by layout row: gate-up writes
     # it so, quantized in its epilogue, and the combine gathers each pair's row.
     contiguous_down = cfg["down"].get("LAYOUT") == "contiguous"

@@ -7,6 +7,8 @@ capture and replay of routing + fused MoE at T=16.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -169,10 +171,35 @@ def test_fused_moe_fp8_v3_tile_variants(fp8_experts, block_m, gate_up, down, tok
     assert out.dtype == torch.bfloat16 and err < 1e-2
 
 
+def _hopper_gluon() -> str | None:
+    """Why the Gluon kernel cannot run here, or None."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "the Gluon grouped GEMM uses Hopper's wgmma"
+    if importlib.util.find_spec("triton.experimental.gluon") is None:
+        return "this Triton has no Gluon"
+    return None
+
+
+def _gluon(block_m, stages, unroll):
+    return dict(KERNEL="gluon", GROUP_M=8, num_warps=4 * block_m // 64, STAGES=stages, UNROLL=unroll)
+
+
+GLUON_ONLY = pytest.mark.skipif(not torch.cuda.is_available() or _hopper_gluon() is not None,
+                                reason="needs Hopper and a Triton with Gluon")
+
+
 @pytest.mark.parametrize("tokens", [512, 4096])
-@pytest.mark.parametrize("block_m,warps,stages", [(128, 8, 4), (64, 4, 4), (64, 8, 3)])
-def test_triton_contiguous_grouped_gemm_v3(fp8_experts, tokens, block_m, warps, stages):
-    """triton_grouped_gemm (TMA loads) against DeepGEMM's contract in torch, both V3 GEMMs."""
+@pytest.mark.parametrize("block_m,cfg", [
+    (128, dict(BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)),
+    (64, dict(BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    (64, dict(BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)),
+    pytest.param(128, _gluon(128, 4, 2), marks=GLUON_ONLY), pytest.param(128, _gluon(128, 3, 1), marks=GLUON_ONLY),
+    pytest.param(64, _gluon(64, 4, 2), marks=GLUON_ONLY), pytest.param(64, _gluon(64, 5, 1), marks=GLUON_ONLY),
+], ids=["triton-m128-w8", "triton-m64-w4", "triton-m64-w8-s3", "gluon-m128-s4-u2", "gluon-m128-s3-u1",
+        "gluon-m64-s4-u2", "gluon-m64-s5-u1"])
+def test_contiguous_grouped_gemm_v3(fp8_experts, tokens, block_m, cfg):
+    """triton_grouped_gemm (TMA loads) and gluon_grouped_gemm (promotion under the next wgmma) against DeepGEMM's
+    contract in torch, both V3 GEMMs, padding rows untouched."""
     from pdserve.kernels import deep_gemm_moe, triton_grouped_gemm
 
     w13, w2, s13, s2 = fp8_experts
@@ -180,7 +207,6 @@ def test_triton_contiguous_grouped_gemm_v3(fp8_experts, tokens, block_m, warps, 
     xq, xs = triton_fp8.per_token_group_quant(torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16))
     aligned = moe_align.align_tokens_layout(ids, E, block_m)
     a, sa, m_indices = deep_gemm_moe.contiguous_layout(xq, xs, aligned, TOP_K, align=block_m)
-    cfg = dict(BLOCK_N=128, GROUP_M=8, num_warps=warps, num_stages=stages)
     pad = m_indices < 0
     for w, ws in ((w13, s13), (w2, s2)):
         k = w.shape[2]
@@ -190,8 +216,62 @@ def test_triton_contiguous_grouped_gemm_v3(fp8_experts, tokens, block_m, warps, 
         ref = torch.zeros(d.shape, device=DEV)
         deep_gemm_moe.contiguous_grouped_reference(lhs, (w, ws), ref, m_indices, block_m)
         err = rel_err(d[~pad], ref[~pad])
-        print(f"contiguous T={tokens} block_m={block_m} warps={warps} N={w.shape[1]} K={k}: {err:.2e}")
+        print(f"contiguous T={tokens} block_m={block_m} {cfg} N={w.shape[1]} K={k}: {err:.2e}")
         assert d[pad].isnan().all() and err < 1e-2
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("tokens", [512, 4096])
+@pytest.mark.parametrize("block_m,gemm", [
+    (128, dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)),
+    pytest.param(128, _gluon(128, 4, 2), marks=GLUON_ONLY), pytest.param(64, _gluon(64, 4, 2), marks=GLUON_ONLY),
+], ids=["triton-m128", "gluon-m128", "gluon-m64"])
+def test_fused_moe_fp8_v3_both_gemms_contiguous(fp8_experts, tokens, block_m, gemm):
+    """A config with both GEMMs on the contiguous layout runs DeepGEMM's recipe (bf16 between the GEMMs): equal to
+    the deep_gemm backend on the contract's torch reference, and near the fp32 recipe."""
+    from pdserve.kernels import deep_gemm_moe
+
+    w13, w2, s13, s2 = fp8_experts
+    weights, ids = v3_routing(tokens, 12)
+    x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16)
+    contiguous = dict(gemm, LAYOUT="contiguous")
+    cfg = {"BLOCK_M": block_m, "gate_up": contiguous, "down": contiguous}
+    out = triton_moe_kernels.fused_experts(x, weights, ids, w13, w2, s13, s2, config=cfg)
+    recipe = deep_gemm_moe.DeepGemmMoE(ops=deep_gemm_moe.TorchDeepGemmOps(), masked_max_tokens=0).experts(
+        x, weights, ids, w13, w2, s13, s2, (128, 128))
+    fp32_recipe = moe_reference(x, weights, ids, w13, w2, s13, s2, quantize_activations=True)
+    err, loose = rel_err(out, recipe), rel_err(out, fp32_recipe)
+    print(f"both contiguous T={tokens} {cfg}: {err:.2e} vs DeepGEMM's recipe, {loose:.2e} vs the fp32 recipe")
+    assert out.dtype == torch.bfloat16 and err < 1e-2 and loose < 4e-2
+
+
+@GLUON_ONLY
+@pytest.mark.parametrize("k", [128, 208, 384, 1040])  # 1, 2 (ragged), 3 and 9 (ragged) K steps
+@pytest.mark.parametrize("unroll", [1, 2, 3])
+def test_gluon_contiguous_grouped_gemm_ragged(k, unroll):
+    """Short and ragged K (TMA zero-fills past K), K steps not a multiple of the unroll, empty groups, padding."""
+    from pdserve.kernels import deep_gemm_moe, triton_grouped_gemm
+
+    gen = torch.Generator(DEV).manual_seed(k + unroll)
+    groups, n, block_m = 5, 256, 64
+    counts = [70, 0, 5, 128, 1]  # rows per group; group 1 has none
+    m_indices = torch.cat([torch.tensor([g] * c + [-1] * (-c % block_m), dtype=torch.int32)
+                           for g, c in enumerate(counts)]).to(DEV)
+    rows = m_indices.numel()
+    a, sa = per_token_group_quant(torch.randn(rows, k, device=DEV, generator=gen))
+    b = torch.empty(groups, n, k, dtype=FP8_DTYPE, device=DEV)
+    sb = torch.empty(groups, n // 128, -(-k // 128), device=DEV)
+    for g in range(groups):
+        b[g], sb[g] = block_quant(torch.randn(n, k, device=DEV, generator=gen))
+    cfg = dict(KERNEL="gluon", GROUP_M=8, num_warps=4, STAGES=3, UNROLL=unroll)
+    d = torch.full((rows, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    triton_grouped_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, m_indices, block_m, cfg)
+    ref = torch.zeros(d.shape, device=DEV)
+    deep_gemm_moe.contiguous_grouped_reference((a, sa), (b, sb), ref, m_indices, block_m)
+    pad = m_indices < 0
+    err = rel_err(d[~pad], ref[~pad])
+    print(f"gluon ragged K={k} unroll={unroll}: {err:.2e}")
+    assert d[pad].isnan().all() and err < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [16, 128])

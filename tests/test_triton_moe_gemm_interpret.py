@@ -327,6 +327,22 @@ def test_moe_config_lookup(tmp_path, monkeypatch):
         moe_configs.load_configs.cache_clear()
         with pytest.raises(ValueError, match="LAYOUT"):
             moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")
+        gluon = dict(LAYOUT="contiguous", KERNEL="gluon", GROUP_M=8, num_warps=8, STAGES=4, UNROLL=2)
+        (tmp_path / name).write_text(json.dumps({"1": dict(entry, gate_up=gluon, down=gluon)}))
+        moe_configs.load_configs.cache_clear()
+        assert moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")["gate_up"]["KERNEL"] == "gluon"
+        (tmp_path / name).write_text(json.dumps({"1": dict(entry, gate_up=gluon)}))  # down on the fused layout
+        moe_configs.load_configs.cache_clear()
+        with pytest.raises(ValueError, match="contiguous gate_up needs a contiguous down"):
+            moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")
+        (tmp_path / name).write_text(json.dumps({"1": dict(entry, down=gluon)}))  # fused gate-up, Gluon down
+        moe_configs.load_configs.cache_clear()
+        assert moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")["down"]["KERNEL"] == "gluon"
+        bad = {k: v for k, v in gluon.items() if k != "UNROLL"}
+        (tmp_path / name).write_text(json.dumps({"1": dict(entry, down=bad)}))
+        moe_configs.load_configs.cache_clear()
+        with pytest.raises(ValueError, match="UNROLL"):
+            moe_configs.get_config(1, 8, 128, 256, 2, FP8_DTYPE, "dev")
     finally:
         moe_configs.load_configs.cache_clear()
 
@@ -379,6 +395,7 @@ def test_triton_contiguous_grouped_gemm_follows_deep_gemm_contract(block_m, hidd
     assert rel_err(d[~pad], ref[~pad]) < 8e-3  # bf16 output
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # SiLU of the never-written padding rows
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_fused_moe_with_contiguous_down_gemm(block_m):
     """A config whose down GEMM runs on the contiguous layout (gate-up writes its fp8 activation by layout row, the
@@ -398,6 +415,18 @@ def test_fused_moe_with_contiguous_down_gemm(block_m):
     with pytest.raises(ValueError, match="contiguous down GEMM"):  # the activation must come out quantized
         triton_moe_kernels.fused_experts(x, weights, ids, w13q, w2q, s13, s2,
                                          config=dict(cfg, gate_up=dict(gate_up, BLOCK_N=64)))
+    # Both GEMMs on the contiguous layout (token rows gathered first, SiLU-and-mul quantized apart): DeepGEMM's
+    # recipe, bf16 between the GEMMs, so it matches the deep_gemm backend (torch contract) closely and the fp32
+    # recipe within that backend's bound (test_deep_gemm_backend_with_torch_contract_matches_reference).
+    both = dict(cfg, gate_up=dict(gate_up, BLOCK_N=128, LAYOUT="contiguous"))
+    out = triton_moe_kernels.fused_experts(x, weights, ids, w13q, w2q, s13, s2, config=both)
+    deep_gemm_recipe = deep_gemm_moe.DeepGemmMoE(ops=deep_gemm_moe.TorchDeepGemmOps(), masked_max_tokens=0).experts(
+        x, weights, ids, w13q, w2q, s13, s2, (128, 128))
+    assert rel_err(out, deep_gemm_recipe) < 5e-3
+    assert rel_err(out, fp8_moe_reference(x, weights, ids, w13q, s13, w2q, s2)) < 4e-2
+    with pytest.raises(ValueError, match="contiguous down GEMM"):
+        triton_moe_kernels.fused_experts(x, weights, ids, w13q, w2q, s13, s2,
+                                         config=dict(both, down=dict(gate_up, BLOCK_N=128)))
 
 
 def test_triton_contiguous_grouped_gemm_refuses_bad_layouts():
