@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import cuda_time  # noqa: E402
+from benchmarks.timing import copy_bandwidth, cuda_time  # noqa: E402
 from pdserve.kernels.triton_support import triton_installed  # noqa: E402
 
 R, P = 512, 64
@@ -64,14 +64,6 @@ MANY_HEADS_TILES = [
     (64, 32, 8, 5), (64, 16, 8, 7), (64, 16, 8, 5), (64, 32, 8, 7), (64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 2),
     (64, 32, 8, 3), (32, 32, 8, 5), (32, 64, 8, 5), (32, 16, 8, 7), (32, 32, 8, 2), (16, 32, 4, 5), (16, 16, 4, 5),
     (16, 32, 8, 5)]
-
-
-def copy_bandwidth(iters: int) -> float:
-    """Device-to-device copy of 2 GiB: bytes read + written per second."""
-    n = 2 << 30
-    x = torch.empty(n, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * n / cuda_time(lambda: y.copy_(x), iters, 3)
 
 
 def matmul_rate(iters: int) -> float:
@@ -412,7 +404,7 @@ def main() -> None:
         except Exception as exc:  # no workers: each candidate compiles here when its turn comes
             print(f"compile workers unavailable ({type(exc).__name__}: {exc}); compiling in this process")
 
-    copy_bw, mm_rate = copy_bandwidth(args.iters), matmul_rate(args.iters)
+    copy_bw, mm_rate = copy_bandwidth(args.iters, 2 << 30), matmul_rate(args.iters)
     print(f"{torch.cuda.get_device_name()} ({sms} SMs): copy {copy_bw / 1e12:.2f} TB/s (read + write), "
           f"bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s; backends: {', '.join(backends)}"
           + (f" (flashinfer skipped: {skipped['flashinfer']})" if skipped else ""), flush=True)

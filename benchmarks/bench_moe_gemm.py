@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import cuda_time  # noqa: E402
+from benchmarks.timing import copy_bandwidth, cuda_time  # noqa: E402
 from pdserve.kernels.gemm import FP8_DTYPE, block_quant  # noqa: E402
 from pdserve.kernels.moe import RoutingConfig, select_experts  # noqa: E402
 from pdserve.kernels.triton_gemm import scaled_mm_blockwise_available, scaled_mm_weight_scale  # noqa: E402
@@ -110,6 +110,8 @@ def bench_moe(token_counts: list[int], config_path: str | None = None) -> list[d
 
     num_experts, hidden, inter, top_k = 256, 7168, 2048, 8
     w13, w2, s13, s2 = _random_fp8_experts(num_experts, hidden, inter)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + written)")
     rows = []
     for tokens in token_counts:
         x, weights, ids = _v3_routed(tokens, num_experts, hidden, top_k)
@@ -151,18 +153,37 @@ def bench_moe(token_counts: list[int], config_path: str | None = None) -> list[d
                "gate_up": _rate(gate_up_flops, t_gate_up, ceil_gate_up),
                "down": _rate(down_flops, t_down, ceil_down),
                "layer": _rate(gate_up_flops + down_flops, t_layer, ceil_layer)}
+        # Weight-read cap: every expert the batch routes to streams its fp8 weights once per GEMM, which the dense
+        # ceiling does not; at the copy bandwidth of this run that time alone bounds the grouped GEMM's rate.
+        experts_hit = int(torch.unique(ids).numel())
+        for name, flops, ceiling, w in (("gate_up", gate_up_flops, ceil_gate_up, w13), ("down", down_flops,
+                                                                                        ceil_down, w2)):
+            floor_s = experts_hit * w[0].numel() / copy_bw
+            row[name]["weight_read_floor_ms"] = floor_s * 1e3
+            row[name]["weight_read_cap_of_cublas"] = flops / floor_s / 1e12 / ceiling
         rows.append(row)
         print_moe(row)
     return rows
 
 
-# Tiles of the contiguous-layout grouped GEMM (triton_grouped_gemm.py): (block_m, BLOCK_N, GROUP_M, num_warps,
-# num_stages). Warp-specialized variants are not timed: they hung on the H100 with Triton 3.6 (gpu_run20, 21).
-CONTIGUOUS = [(128, 128, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 16, 8, 4), (64, 128, 8, 4, 4),
-              (64, 128, 8, 4, 5), (64, 128, 16, 4, 4), (64, 128, 8, 8, 4)]
+# Tiles of the contiguous-layout grouped GEMM: (block_m, config). Triton (triton_grouped_gemm.py): BLOCK_N,
+# GROUP_M, warps, stages; warp-specialized variants are not timed: they hung on the H100 with Triton 3.6 (gpu_run20,
+# 21). Gluon (gluon_grouped_gemm.py, Hopper): 128 x 128 tiles per 64 rows of 4 warps, STAGES, UNROLL.
+def _triton_tile(block_n, group_m, warps, stages):
+    return dict(BLOCK_N=block_n, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
-def bench_moe_contiguous(token_counts: list[int]) -> list[dict]:
+def _gluon_tile(block_m, group_m, stages, unroll):
+    return dict(KERNEL="gluon", GROUP_M=group_m, num_warps=4 * block_m // 64, STAGES=stages, UNROLL=unroll)
+
+
+CONTIGUOUS = [(128, _triton_tile(128, 8, 8, 4)), (64, _triton_tile(128, 8, 4, 4)), (64, _triton_tile(128, 16, 4, 4))]
+GLUON_CONTIGUOUS = [(128, _gluon_tile(128, 8, 4, 2)), (128, _gluon_tile(128, 16, 4, 2)), (128, _gluon_tile(128, 4, 4, 2)),
+                    (128, _gluon_tile(128, 8, 5, 2)), (128, _gluon_tile(128, 16, 5, 2)), (128, _gluon_tile(128, 8, 6, 2)),
+                    (128, _gluon_tile(128, 8, 4, 3)), (64, _gluon_tile(64, 8, 4, 2)), (64, _gluon_tile(64, 16, 4, 2))]
+
+
+def bench_moe_contiguous(token_counts: list[int], tiles: list[tuple[int, dict]]) -> list[dict]:
     """The contiguous-layout MoE (DeepGEMM's prefill contract, here on our Triton grouped GEMM): each tile's two
     grouped GEMMs against cuBLAS FP8 at the same total rows, and the whole layer with its permutation, SiLU-and-mul
     quantization and weighted combine."""
@@ -181,12 +202,11 @@ def bench_moe_contiguous(token_counts: list[int]) -> list[dict]:
         ceil_layer = (gate_up_flops + down_flops) / (gate_up_flops / ceil_gate_up + down_flops / ceil_down)
         x_q, x_s = triton_fp8.per_token_group_quant(x)
         layouts = {}
-        for block_m, block_n, group_m, warps, stages in CONTIGUOUS:
+        for block_m, cfg in tiles:
             if block_m not in layouts:
                 aligned = moe_align.align_tokens_layout(ids, num_experts, block_m)
                 layouts[block_m] = (aligned, *deep_gemm_moe.contiguous_layout(x_q, x_s, aligned, top_k, align=block_m))
             aligned, a, sa, m_indices = layouts[block_m]
-            cfg = dict(BLOCK_N=block_n, GROUP_M=group_m, num_warps=warps, num_stages=stages)
             rows = a.shape[0]
             d1 = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device="cuda")
             d2 = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")
@@ -217,7 +237,7 @@ def bench_moe_contiguous(token_counts: list[int]) -> list[dict]:
             row.update(gate_up=_rate(gate_up_flops, t_gate_up, ceil_gate_up), down=_rate(down_flops, t_down, ceil_down),
                        layer=_rate(gate_up_flops + down_flops, t_layer, ceil_layer))
             rows_out.append(row)
-            print(f"contiguous block_m={block_m} N{block_n} G{group_m} w{warps} s{stages} "
+            print(f"contiguous T={tokens} block_m={block_m} {cfg} "
                   f"(padded {row['rows_padded']}) " + " | ".join(
                       f"{name} {row[name]['ms']:.3f} ms {row[name]['tflops']:6.1f} TF/s "
                       f"({row[name]['fraction_of_cublas']:.0%})" for name in ("gate_up", "down", "layer")),
@@ -264,6 +284,10 @@ def print_moe(row: dict) -> None:
           + " | ".join(f"{name} {row[name]['ms']:.3f} ms {row[name]['tflops']:6.1f} TF/s "
                        f"({row[name]['fraction_of_cublas']:.0%} of {row[name]['cublas_fp8_tflops']:.0f})"
                        for name in ("gate_up", "down", "layer")), flush=True)
+    if "weight_read_floor_ms" in row["gate_up"]:
+        print("    weight-read floor at the copy bandwidth: " + ", ".join(
+            f"{name} {row[name]['weight_read_floor_ms']:.3f} ms (caps the rate at "
+            f"{row[name]['weight_read_cap_of_cublas']:.0%} of cuBLAS)" for name in ("gate_up", "down")), flush=True)
 
 
 def main() -> None:
@@ -275,6 +299,9 @@ def main() -> None:
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--contiguous", action="store_true",
                    help="also time the contiguous-layout MoE (our Triton grouped GEMM with TMA loads)")
+    p.add_argument("--gluon", action="store_true",
+                   help="also time the contiguous-layout MoE on the Gluon grouped GEMM (Hopper: each K step's "
+                        "promotion under the next step's wgmma)")
     p.add_argument("--moe-config", help="MoE config table (kernels/configs/moe/ format) to use instead of the "
                                          "committed one for this GPU")
     p.add_argument("--out", help="write the results as JSON here")
@@ -292,7 +319,9 @@ def main() -> None:
     if not args.skip_moe:
         result["moe"] = bench_moe(args.moe_tokens, args.moe_config)
     if args.contiguous:
-        result["moe_contiguous"] = bench_moe_contiguous(args.moe_tokens)
+        result["moe_contiguous"] = bench_moe_contiguous(args.moe_tokens, CONTIGUOUS)
+    if args.gluon:
+        result["moe_gluon"] = bench_moe_contiguous(args.moe_tokens, GLUON_CONTIGUOUS)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import cuda_time  # noqa: E402
+from benchmarks.timing import copy_bandwidth, cuda_time  # noqa: E402
 from pdserve.config import ModelConfig  # noqa: E402
 from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner  # noqa: E402
 from pdserve.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -45,13 +45,6 @@ def v3_slice(layers: int, fp8: bool) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw, name=f"deepseek-v3-slice-{layers}L")
 
 
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * (1 << 30) / cuda_time(lambda: y.copy_(x), iters=20)
 
 
 def step_bytes(model, cfg: ModelConfig, batch: int, ctx: int, kv_bytes_per_value: int) -> float:

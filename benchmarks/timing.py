@@ -19,3 +19,10 @@ def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(iters: int = 20, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy of `nbytes`: bytes read + written per second (the read floors' bandwidth)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * nbytes / cuda_time(lambda: y.copy_(x), iters, 3)
