@@ -71,11 +71,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         r = cfg.rope
         dim = cfg.qk_rope_head_dim
-        if r.rope_type == "yarn":
-            inv_freq = yarn_inv_freq(dim, r.theta, r.factor, r.original_max_position_embeddings, r.beta_fast,
-                                     r.beta_slow)
-        else:
-            inv_freq = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        # NOTE: computed on the CPU even while build_model lays the model out on the meta device (it moves the
+        # rotary to the model's device): a meta arange runs torch's Python reference, whose first call imports
+        # torch._dynamo, about 2 s of every worker's start-up on a CPU.
+        with torch.device("cpu"):
+            if r.rope_type == "yarn":
+                inv_freq = yarn_inv_freq(dim, r.theta, r.factor, r.original_max_position_embeddings, r.beta_fast,
+                                         r.beta_slow)
+            else:
+                inv_freq = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (P/2,)
         self.scale = r.cos_sin_scale
         self.interleave = r.interleave

@@ -137,6 +137,20 @@ def _iter_tensors(files: list[str], progress: Callable[[str], None]) -> Iterator
         progress(f"loaded shard {i + 1}/{len(files)} ({os.path.basename(path)}) in {time.monotonic() - start:.1f}s")
 
 
+class _NoRandomInit(torch.overrides.TorchFunctionMode):
+    """Skips torch.nn.init's fills (nn.Embedding, nn.Linear) while build_model lays the model out on the meta
+    device: every parameter is replaced and loaded afterwards.
+
+    NOTE: a random fill of a meta tensor runs torch's Python reference, whose first call imports torch._dynamo:
+    about 2 s of every worker's start-up on a CPU, for values nobody reads."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, device: str = "cpu",
                 prefix_chunk_tokens: int = 4096, fp8_linears: Optional[set[str]] = None) -> DeepseekV3:
     """Allocate an uninitialised model: each parameter gets the dtype it will hold (fp8, fp32 scales, ...).
@@ -144,7 +158,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, d
     fp8_linears names (by checkpoint name, e.g. model.layers.0.self_attn.q_a_proj) the Linear modules stored in
     FP8; by default every quantizable one is, when cfg.fp8 is set.
     """
-    with torch.device("meta"):
+    with torch.device("meta"), _NoRandomInit():
         model = DeepseekV3(cfg, kernels, prefix_chunk_tokens)
     hf_name = {t.param: name for name, t in checkpoint_names(model).items() if t.expert is None}
     for mod_name, module in model.named_modules():

@@ -2,13 +2,26 @@
 # The test command named in the README: the CPU suite (GPU-marked tests skip themselves without a GPU).
 # The Triton kernels' CPU-interpreter tests run in their own pytest process with TRITON_INTERPRET=1 set before
 # anything imports triton: triton fixes interpreted-or-compiled at its first import.
+# That process is a minute of work for one core, and the main suite leaves about one of two cores idle (it mostly
+# waits on the worker processes it starts), so it runs beside the main suite at the lowest priority: it takes only
+# cycles the main suite leaves idle, so its timing-sensitive tests see next to no extra load. Its report follows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 interp=(tests/test_triton_attention_interpret.py tests/test_triton_moe_gemm_interpret.py tests/test_triton_norm_rope_interpret.py)
 ignore=()
 for f in "${interp[@]}"; do ignore+=(--ignore="$f"); done
+interp_log=$(mktemp)
+interp_pid=
+trap '[ -n "$interp_pid" ] && kill "$interp_pid" 2>/dev/null; rm -f "$interp_log"' EXIT
+trap 'exit 130' INT TERM
+# -p no:cacheprovider: the two processes would both write .pytest_cache at the end.
+TRITON_INTERPRET=1 nice -n 19 python3 -m pytest -q -p no:cacheprovider "${interp[@]}" >"$interp_log" 2>&1 &
+interp_pid=$!
 python3 -m pytest -q "${ignore[@]}" "$@"
 main=$?
-TRITON_INTERPRET=1 python3 -m pytest -q "${interp[@]}"
+wait "$interp_pid"
 kernels=$?
+interp_pid=
+echo "---- Triton interpreter tests (TRITON_INTERPRET=1) ----"
+cat "$interp_log"
 exit $(( main != 0 ? main : kernels ))

@@ -24,10 +24,19 @@ from pdserve.v1 import worker_pb2_grpc as pb_grpc
 REPO = Path(__file__).resolve().parents[1]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, never one handed out before in this process: start_all asks for the ports of
+    several processes before any of them binds, and the kernel may offer a just-closed port again."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
@@ -42,13 +51,20 @@ class Proc:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self, sig=signal.SIGTERM) -> None:
+        self.begin_stop(sig)
+        self.wait_stopped()
+
+    def begin_stop(self, sig=signal.SIGTERM) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(sig)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
+
+    def wait_stopped(self) -> None:
+        """Wait for the exit a signal asked for: 10 s, then SIGKILL."""
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
 
 
 def spawn(role: str, args: list[str], log_dir: Path, name: str) -> Proc:
@@ -74,8 +90,7 @@ def start_all(specs: list[tuple[str, list[str], str]], log_dir: Path, timeout_s:
         for proc in procs:
             wait_serving(proc, timeout_s)
     except BaseException:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
         raise
     return procs
 
@@ -97,6 +112,14 @@ def wait_serving(proc: Proc, timeout_s: float) -> None:
     raise TimeoutError(f"{proc.role} at {proc.address} not serving after {timeout_s}s:\n{proc.log()}")
 
 
+def stop_all(procs: list[Proc]) -> None:
+    """SIGTERM to every process at once, then wait for each: their graceful shutdowns overlap."""
+    for p in procs:
+        p.begin_stop()
+    for p in procs:
+        p.wait_stopped()
+
+
 @dataclass
 class Stack:
     prefill: list[Proc]
@@ -108,8 +131,7 @@ class Stack:
         return self.prefill + self.decode + [self.router] + self.extra
 
     def stop(self) -> None:
-        for p in self.all():
-            p.stop()
+        stop_all(self.all())
 
 
 def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(), redis_url=None,
@@ -117,10 +139,12 @@ def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(
     common = ["--model", str(model_dir), "--page-size", "4", "--num-pages", "512", *engine_args]
     if redis_url:
         common += ["--redis-url", redis_url]
-    prefill = [start("prefill", [*common, "--worker-id", f"prefill-{i}"], log_dir, f"prefill-{i}")
-               for i in range(n_prefill)]
-    decode = [start("decode", [*common, *decode_args, "--worker-id", f"decode-{i}"], log_dir, f"decode-{i}")
-              for i in range(n_decode)]
+    # The workers start side by side (each spends seconds importing torch and loading the model); the router
+    # after them, so that its first poll finds every worker serving.
+    specs = [("prefill", [*common, "--worker-id", f"prefill-{i}"], f"prefill-{i}") for i in range(n_prefill)]
+    specs += [("decode", [*common, *decode_args, "--worker-id", f"decode-{i}"], f"decode-{i}") for i in range(n_decode)]
+    procs = start_all(specs, log_dir)
+    prefill, decode = procs[:n_prefill], procs[n_prefill:]
     workers = []
     if redis_url:
         workers = ["--redis-url", redis_url]
@@ -129,7 +153,11 @@ def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(
             workers += ["--prefill", p.address]
         for d in decode:
             workers += ["--decode", d.address]
-    router = start("router", ["--model", str(model_dir), *workers, *router_args], log_dir, "router")
+    try:
+        router = start("router", ["--model", str(model_dir), *workers, *router_args], log_dir, "router")
+    except BaseException:
+        stop_all(procs)
+        raise
     return Stack(prefill, decode, router)
 
 

@@ -21,7 +21,7 @@ from pdserve.v1 import generate_pb2_grpc as gen_grpc
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from stack import REPO, Proc, free_port
+from stack import REPO, Proc, free_port, stop_all
 
 pytestmark = pytest.mark.slow
 TOKEN, KEY = "internal-s3cret", "client-key-1"
@@ -54,17 +54,21 @@ def tls_channel(address: str, ca: Path) -> grpc.Channel:
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca.read_bytes()))
 
 
-def start_tls(role: str, args: list[str], log_dir: Path, ca: Path) -> Proc:
+def spawn_tls(role: str, args: list[str], log_dir: Path) -> Proc:
+    """Start a pdserve process without waiting for it (see `wait_tls_serving`)."""
     port = free_port()
     log_path = log_dir / f"{role}.log"
     popen = subprocess.Popen([sys.executable, "-m", "pdserve", role, "--port", str(port), *args], cwd=REPO,
                              stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    proc = Proc(role, f"127.0.0.1:{port}", popen, 0, log_path)
+    return Proc(role, f"127.0.0.1:{port}", popen, 0, log_path)
+
+
+def wait_tls_serving(proc: Proc, ca: Path) -> Proc:
     deadline = time.monotonic() + 60
     with tls_channel(proc.address, ca) as ch:  # health needs no token
         while True:
-            assert popen.poll() is None and time.monotonic() < deadline, proc.log()
+            assert proc.popen.poll() is None and time.monotonic() < deadline, proc.log()
             try:
                 if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
                     return proc
@@ -78,13 +82,17 @@ def secure_stack(tiny_v3_dir, tmp_path_factory):
     cert, key = self_signed(logs)
     tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
     common = ["--model", str(tiny_v3_dir), "--page-size", "4", "--num-pages", "256", "--internal-token", TOKEN, *tls]
-    procs = [start_tls("prefill", common, logs, cert), start_tls("decode", common, logs, cert)]
-    procs.append(start_tls("router", ["--model", str(tiny_v3_dir), "--prefill", procs[0].address, "--decode",
-                                      procs[1].address, "--internal-token", TOKEN, "--tls-ca", str(cert),
-                                      "--api-key", "other-key", "--api-key", KEY, *tls], logs, cert))
-    yield procs, cert
-    for p in procs:
-        p.stop()
+    procs = [spawn_tls("prefill", common, logs), spawn_tls("decode", common, logs)]  # their model loads overlap
+    try:
+        for p in procs:
+            wait_tls_serving(p, cert)
+        procs.append(spawn_tls("router", ["--model", str(tiny_v3_dir), "--prefill", procs[0].address, "--decode",
+                                          procs[1].address, "--internal-token", TOKEN, "--tls-ca", str(cert),
+                                          "--api-key", "other-key", "--api-key", KEY, *tls], logs))
+        wait_tls_serving(procs[2], cert)
+        yield procs, cert
+    finally:
+        stop_all(procs)
 
 
 def generate(address, ca, metadata=()):

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.sampling import SamplingParams
 
 from golden import GREEDY, PROMPTS, check_against_reference
-from stack import generate, load, scrape, start, start_stack, wait_idle
+from stack import generate, load, scrape, start, start_all, start_stack, stop_all, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -102,11 +102,12 @@ def test_cancel_mid_stream_frees_pages_on_both_tiers(stack_1p1d):
 def test_incompatible_workers_refuse_to_pair(tiny_v3_dir, tiny_v2_dir, tmp_path, decode_model, decode_args, named):
     """Different page sizes or models: a clear FAILED_PRECONDITION naming the difference, promptly, not a hang."""
     other = tiny_v3_dir if decode_model == "v3" else tiny_v2_dir
-    prefill = start("prefill", ["--model", str(tiny_v3_dir), "--page-size", "4"], tmp_path, "p")
-    decode = start("decode", ["--model", str(other), *decode_args], tmp_path, "d")
-    router = start("router", ["--model", str(tiny_v3_dir), "--prefill", prefill.address, "--decode",
-                              decode.address], tmp_path, "r")
+    prefill, decode = start_all([("prefill", ["--model", str(tiny_v3_dir), "--page-size", "4"], "p"),
+                                 ("decode", ["--model", str(other), *decode_args], "d")], tmp_path)
+    router = None
     try:
+        router = start("router", ["--model", str(tiny_v3_dir), "--prefill", prefill.address, "--decode",
+                                  decode.address], tmp_path, "r")
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             generate(router.address, [5, 6, 7], GREEDY, timeout=30)
@@ -115,8 +116,7 @@ def test_incompatible_workers_refuse_to_pair(tiny_v3_dir, tiny_v2_dir, tmp_path,
         assert time.monotonic() - t0 < 5
         assert wait_idle(decode).num_free_pages == load(decode).num_total_pages
     finally:
-        for p in (router, prefill, decode):
-            p.stop()
+        stop_all([p for p in (router, prefill, decode) if p is not None])
 
 
 def test_metrics_parse_and_count(stack_1p1d, reference):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ from pdserve.kv_cache import CacheConfig
 from pdserve.sampling import SamplingParams
 from pdserve.tiny_model import tiny_config_dict
 from pdserve.weights import WeightsError, load_model
+
+from stack import REPO
 
 PROMPTS = [[1, 2, 3], [5, 17, 300, 42, 9, 11, 250], list(range(20, 49))]
 GREEDY8 = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -157,6 +161,19 @@ def test_sharded_checkpoint_gives_the_same_tokens(tiny_v3_dir, copy_model):
                                   progress=messages.append))
     assert any("shard 2/2" in m for m in messages), messages
     assert got == greedy_tokens(make_engine(tiny_v3_dir))
+
+
+def test_loading_a_model_does_not_import_torch_dynamo(tiny_v3_dir, tiny_v2_dir, tiny_v3_fp8_dir):
+    """The model is laid out on the meta device with no random init and no computed buffers there: a meta op that
+    torch implements in Python imports torch._dynamo on its first call, about 2 s of every worker's start-up on a
+    CPU. A fresh process, since this one may have imported it for other reasons."""
+    code = ("import sys\n"
+            "from pdserve.engine import EngineConfig, LLMEngine\n"
+            f"for d in {[str(tiny_v3_dir), str(tiny_v2_dir), str(tiny_v3_fp8_dir)]!r}:\n"
+            "    LLMEngine(EngineConfig(d, device='cpu'))\n"
+            "assert 'torch._dynamo' not in sys.modules, 'loading a model imported torch._dynamo'\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_missing_shard_is_named(tiny_v3_dir, copy_model):
