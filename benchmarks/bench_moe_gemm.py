@@ -184,7 +184,7 @@ GLUON_CONTIGUOUS = [(128, _gluon_tile(128, 8, 4, 2)), (128, _gluon_tile(128, 16,
 
 
 def bench_moe_contiguous(token_counts: list[int], tiles: list[tuple[int, dict]]) -> list[dict]:
-    """The contiguous-layout MoE (DeepGEMM's prefill contract, here on our Triton grouped GEMM): each tile's two
+    """The contiguous-layout MoE (DeepGEMM's prefill contract, on our Triton or Gluon grouped GEMM): each tile's two
     grouped GEMMs against cuBLAS FP8 at the same total rows, and the whole layer with its permutation, SiLU-and-mul
     quantization and weighted combine."""
     from pdserve.kernels import deep_gemm_moe, moe_align, triton_fp8, triton_grouped_gemm as gg
