@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .registry import Registry
+from pdserve.common.registry import Registry
 
 
 class AttentionBackend(ABC):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .registry import Registry
+from pdserve.common.registry import Registry
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .gemm import FP8_DTYPE, block_dequant
-from .registry import Registry
+from pdserve.common.registry import Registry
 
 
 @dataclass(frozen=True)

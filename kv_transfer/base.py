@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from pdserve.kernels.registry import Registry
+from pdserve.common.registry import Registry
 
 ERROR_KINDS = frozenset({"incompatible", "unauthenticated", "unreachable", "timeout", "aborted", "peer_failed",
                          "protocol"})

@@ -19,7 +19,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.kernels.registry import Registry
+from pdserve.common.registry import Registry
 
 
 class OwnershipUnavailable(RuntimeError):
