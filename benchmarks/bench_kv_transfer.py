@@ -15,7 +15,7 @@ starts the decode side (a pool on --decode-device) as a child process of this sc
 
 Every time is the median of --iters runs after --warmup. Not a test: it prints numbers and writes --out.
 
-    python benchmarks/bench_kv_transfer.py --out benchmarks/results/kv_transfer_h200x2.json
+    python benchmarks/bench_kv_transfer.py --out /tmp/kv_transfer.json    # bash benchmarks/gpu.sh kv, on two GPUs
     python benchmarks/bench_kv_transfer.py --backend gloo --prefill-device cpu --decode-device cpu --layers 4 \\
         --tokens 256 --iters 2 --out /tmp/kv_transfer_cpu.json    # a dry run of the script on the CPU (Gloo)
 """

@@ -16,8 +16,8 @@ on-disk cache (compile_only: no kernel runs there) and build FlashInfer's JIT mo
 FlashInfer is timed after the sweep. --time-budget-s bounds the whole run, counted from start-up: the candidates
 not tried by then are listed. It ends with the lines to paste into kernels/triton_mla_decode.py.
 
-    python benchmarks/bench_mla_decode.py --out benchmarks/results/mla_decode.json
-    python benchmarks/bench_mla_decode.py --out /tmp/mla_sweep.json --sweep --time-budget-s 100
+    python benchmarks/bench_mla_decode.py --out /tmp/mla_decode.json                               # gpu.sh mla
+    python benchmarks/bench_mla_decode.py --out /tmp/mla_sweep.json --sweep --time-budget-s 100    # gpu.sh mla-tune
 """
 
 from __future__ import annotations

@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and tests, one named suite per call. Run from anywhere in the repository on the GPU machine:
+#   bash benchmarks/gpu.sh SUITE [extra args]     (bash benchmarks/gpu.sh --help lists the suites)
+# Each suite's commands are the ones that produced the numbers in benchmarks/results/README.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-/tmp/pdserve-bench}
+SINGLE_GPU_SUITES=(tests decode prefill mla moe spec)
+
+usage() {
+  cat <<'EOF'
+usage: bash benchmarks/gpu.sh SUITE [extra args]
+
+Suites (H100 wall times; extra args go to the suite's program, after its own flags):
+  tests      every single-GPU test: pytest tests/test_gpu_*.py (~2.5-4 min; extra args are pytest's, e.g. -k flashinfer)
+  decode     V3-slice decode step, CUDA graphs vs eager, vs transformers; fused kernels; flashinfer under graphs (~5 min)
+  prefill    V3-slice prefill tok/s at 1k / 4k / 16k tokens, triton and flashinfer attention (~3 min)
+  mla        MLA decode attention, triton vs flashinfer, against copy bandwidth and matmul rate (~1 min)
+  mla-tune   sweep of the Triton MLA decode tiles; prints the defaults to paste into kernels/triton_mla_decode.py (~2.5 min)
+  moe        dense block-FP8 GEMMs and the MoE grouped GEMMs (fused table, contiguous, Gluon) vs cuBLAS FP8 (~3 min)
+  moe-tune   the fused-MoE prefill tile search, writes the table for kernels/configs/moe/, then moe with it (~5 min)
+  spec       NextN speculative decoding on models/tiny-trained, and its draft / verify cost on the V3 slice (~2 min)
+  kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
+  all        tests, decode, prefill, mla, moe and spec in turn (longer than one device call's 10 minutes)
+
+Files land in $OUT/SUITE/ (default $OUT=/tmp/pdserve-bench): SUITE.log with everything printed (the GPU and
+driver first), and the suite's JSON files. Commit them under benchmarks/results/<gpu>/.
+
+Through the device tool (after `bash ../shared/tools/gpu-wheels.sh` here, which fills .whl/):
+  run(command="bash benchmarks/gpu.sh moe", carry=[".whl"])                        # one H200
+  run(command="bash benchmarks/gpu.sh kv", carry=[".whl"], kind="nvidia-h200-x2")  # two GPUs
+EOF
+}
+
+setup_env() {  # the carried wheels (FlashInfer, DeepGEMM, redis, grpc health) and a FlashInfer JIT cache in the run
+  export PYTHONUNBUFFERED=1
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH || echo "note: the wheels in .whl/ did not install (above)"
+  else
+    echo "note: no .whl/*.whl (bash ../shared/tools/gpu-wheels.sh, then carry .whl): FlashInfer and DeepGEMM cases skip"
+  fi
+}
+
+num_gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
+
+header() {  # what the numbers were measured on
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    'triton', triton.__version__)" 2>&1 | tail -1
+  echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?'); $(date -u +%FT%TZ)"
+}
+
+FAILED=0
+step() {  # step SECONDS COMMAND...: run it under a time limit, print its wall time, remember a failure
+  local limit=$1 start=$SECONDS rc
+  shift
+  echo "+ $*"
+  timeout "$limit" "$@"
+  rc=$?
+  if [ "$rc" -eq 124 ]; then echo "= TIMED OUT after ${limit} s"; else echo "= exit $rc, $((SECONDS - start)) s"; fi
+  [ "$rc" -eq 0 ] || FAILED=1
+}
+
+suite_tests() {
+  shift  # the suite's folder: pytest writes nothing there
+  step 540 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_*.py "$@"
+}
+
+suite_decode() {  # $1: the suite's folder
+  local d=$1
+  shift
+  # Issue 4's table: eager vs CUDA graphs vs the read floor, all-Triton kernels, and transformers at batch 1.
+  step 300 python3 benchmarks/bench_one_batch.py --out "$d/one_batch.json" --layers 4 --batch 1 8 32 128 \
+    --ctx 1024 4096 --prefill --attention-backend triton --moe-backend triton --gemm-backend triton "$@"
+  # The default kernels: fused RMSNorm / RoPE, scaled_mm dense GEMMs (its ctx 4096 rows are the triton column
+  # of the flashinfer-under-graphs comparison).
+  step 200 python3 benchmarks/bench_one_batch.py --out "$d/one_batch_fused.json" --layers 4 --batch 1 8 32 128 \
+    --ctx 1024 4096 --prefill --skip-transformers --gemm-backend scaled_mm "$@"
+  step 150 python3 benchmarks/bench_one_batch.py --out "$d/one_batch_flashinfer.json" --layers 4 --batch 1 8 32 \
+    --ctx 4096 --prefill --skip-transformers --attention-backend flashinfer --gemm-backend scaled_mm "$@"
+}
+
+suite_prefill() {
+  local d=$1 be
+  shift
+  for be in triton flashinfer; do
+    step 150 python3 benchmarks/bench_one_batch.py --out "$d/prefill_$be.json" --layers 4 --batch 1 --ctx 1024 \
+      --no-graph --skip-transformers --attention-backend "$be" --moe-backend triton --gemm-backend scaled_mm "$@"
+  done
+}
+
+suite_mla() {
+  local d=$1
+  shift
+  step 120 python3 benchmarks/bench_mla_decode.py --out "$d/mla_decode.json" "$@"
+}
+
+suite_mla_tune() {
+  local d=$1
+  shift
+  step 150 python3 benchmarks/bench_mla_decode.py --sweep --time-budget-s 100 --out "$d/mla_sweep.json" "$@"
+}
+
+suite_moe() {
+  local d=$1
+  shift
+  step 150 python3 benchmarks/bench_moe_gemm.py --skip-moe --out "$d/moe_dense.json" "$@"
+  # The committed fused table (with each GEMM's weight-read floor) and the Gluon contiguous tiles.
+  step 300 python3 benchmarks/bench_moe_gemm.py --skip-dense --moe-tokens 4096 8192 16384 --gluon \
+    --out "$d/moe_gluon.json" "$@"
+  step 200 python3 benchmarks/bench_moe_gemm.py --skip-dense --contiguous --moe-tokens 4096 8192 16384 \
+    --out "$d/moe_contiguous.json" "$@"
+}
+
+suite_moe_tune() {
+  local d=$1
+  shift
+  step 235 python3 benchmarks/tune_moe.py --space prefill --tokens 4096 8192 16384 --time-budget-s 180 \
+    --out "$d/moe_table.json" --fill-defaults --results "$d/moe_sweep.json" "$@"
+  if [ -s "$d/moe_table.json" ]; then
+    step 120 python3 benchmarks/bench_moe_gemm.py --skip-dense --moe-tokens 4096 8192 16384 \
+      --moe-config "$d/moe_table.json" --out "$d/moe_gemm_tuned.json"
+  else
+    echo "no moe_table.json: the search tuned nothing"
+    FAILED=1
+  fi
+}
+
+suite_spec() {
+  local d=$1
+  shift
+  step 200 python3 benchmarks/bench_spec.py --model models/tiny-trained --out "$d/spec.json" --v3-layers 0 \
+    --divergence-prompts 16 --repeats 3 --host-phases "$@"
+  # Draft and verification cost on the V3 slice (4 layers + NextN, FP8 dummy weights), with the host profile.
+  step 200 python3 benchmarks/bench_spec.py --model models/tiny-trained --out "$d/spec_v3_slice.json" --profile "$@"
+}
+
+suite_kv() {
+  local d=$1
+  shift
+  step 300 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_kv_nccl.py
+  step 280 python3 benchmarks/bench_kv_transfer.py --out "$d/kv_transfer.json" "$@"
+}
+
+run_suite() {  # run_suite NAME [extra args]: $OUT/NAME/NAME.log and the suite's files
+  local name=$1 d=$OUT/$1
+  shift
+  mkdir -p "$d"
+  echo "== $name -> $d"
+  ( header; "suite_${name//-/_}" "$d" "$@"; exit "$FAILED" ) 2>&1 | tee "$d/$name.log"
+}
+
+need_gpus() {  # need_gpus N SUITE: exit when this machine has fewer GPUs (0 with a note for the 2-GPU suite)
+  local have
+  have=$(num_gpus)
+  [ "$have" -ge "$1" ] && return 0
+  if [ "$1" -ge 2 ]; then
+    echo "$2 needs $1 GPUs; this machine has $have. Nothing run. Device tool: kind=\"nvidia-h200-x2\"."
+    exit 0
+  fi
+  echo "$2 needs an NVIDIA GPU (nvidia-smi lists none here); run it on the GPU machine" >&2
+  exit 1
+}
+
+suite=${1:-}
+[ $# -gt 0 ] && shift
+case "$suite" in
+  "" | -h | --help | help)
+    usage
+    exit 0 ;;
+  kv)
+    need_gpus 2 kv
+    setup_env
+    run_suite kv "$@" ;;
+  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec)
+    need_gpus 1 "$suite"
+    setup_env
+    run_suite "$suite" "$@" ;;
+  all)
+    [ $# -eq 0 ] || { echo "all takes no extra args (they differ per suite)" >&2; exit 2; }
+    need_gpus 1 all
+    setup_env
+    rc=0
+    for s in "${SINGLE_GPU_SUITES[@]}"; do run_suite "$s" || rc=1; done
+    exit "$rc" ;;
+  *)
+    echo "unknown suite: $suite" >&2
+    usage >&2
+    exit 2 ;;
+esac
