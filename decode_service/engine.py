@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.engine import LLMEngine, RequestOutput
-from pdserve.grpc_shell import exhausted
+from pdserve.serving.grpc_shell import exhausted
 from pdserve.kv_transfer import KVTransferError
 from pdserve.sampling import SamplingParams
 

@@ -11,19 +11,19 @@ from typing import Optional
 
 import grpc
 
-from pdserve.auth import SecurityConfig, internal_auth
+from pdserve.serving.auth import SecurityConfig, internal_auth
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
-from pdserve.engine_loop import EngineLoop
-from pdserve.grpc_shell import (
+from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.grpc_shell import (
     Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
 )
 from pdserve.kv_transfer import KVTransferError, TRANSPORTS, check_transport_device
-from pdserve.metrics import Metrics
-from pdserve.rpc_convert import finish_to_proto, layout_to_proto, sampling_from_proto, usage_to_proto
+from pdserve.serving.metrics import Metrics
+from pdserve.serving.rpc_convert import finish_to_proto, layout_to_proto, sampling_from_proto, usage_to_proto
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info
+from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info
 
 from .engine import DecodeEngine
 

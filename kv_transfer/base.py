@@ -17,12 +17,13 @@ from __future__ import annotations
 import enum
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from pdserve.common.registry import Registry
+from pdserve.common.values import KVLayout  # noqa: F401  (part of the transfer contract)
 
 ERROR_KINDS = frozenset({"incompatible", "unauthenticated", "unreachable", "timeout", "aborted", "peer_failed",
                          "protocol"})
@@ -57,47 +58,6 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What both sides must agree on before any KV byte moves (checked at the handshake)."""
-
-    model_fingerprint: str  # identifies model weights + config (same model on both sides)
-    page_size: int
-    num_kv_layers: int
-    kv_dim: int  # latent row width, 576 for DeepSeek-V3 (512 + 64 rope)
-    dtype: str  # torch dtype name of the KV rows, e.g. "bfloat16"
-
-    def __post_init__(self) -> None:
-        for name in ("page_size", "num_kv_layers", "kv_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"KVLayout.{name}={getattr(self, name)} must be positive")
-        dtype_from_name(self.dtype)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
-
-    def mismatch(self, other: KVLayout, names: tuple[str, str] = ("prefill", "decode")) -> str | None:
-        """None if compatible, else one line naming every differing field with both values, e.g.
-        "page_size: prefill 16 vs decode 4". `self` is described as names[0], `other` as names[1]."""
-        diffs = [
-            f"{f.name}: {names[0]} {getattr(self, f.name)!r} vs {names[1]} {getattr(other, f.name)!r}"
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
-        return "; ".join(diffs) if diffs else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
-        missing = [f.name for f in fields(cls) if f.name not in d]
-        if missing:
-            raise ValueError(f"KVLayout is missing field(s) {', '.join(missing)}")
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
 class TransferState(enum.IntEnum):

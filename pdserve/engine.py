@@ -23,7 +23,7 @@ from pdserve.request import FinishReason, Request
 from pdserve.sampling import Sampler, SamplingParams, StopChecker, make_generator
 from pdserve.scheduler import Scheduler, SchedulerConfig, SpecDecode
 from pdserve.spec_decode import NextNSpeculator, SpecObserver, SpeculativeConfig
-from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.weights import load_model, resolve_dtype
 
 

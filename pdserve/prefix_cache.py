@@ -10,32 +10,12 @@ predecessor is cached whenever the block is), which eviction keeps by removing o
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import struct
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+from pdserve.common.blocks import block_hashes, iter_block_hashes
 from pdserve.kv_cache import PageAllocator
-
-HASH_BYTES = 16
-
-
-def _iter_block_hashes(token_ids: Sequence[int], page_size: int, num_blocks: int) -> Iterator[bytes]:
-    prev = b""
-    for i in range(num_blocks):
-        block = token_ids[i * page_size : (i + 1) * page_size]
-        h = hashlib.blake2b(prev, digest_size=HASH_BYTES)
-        h.update(struct.pack(f"<{page_size}q", *(int(t) for t in block)))
-        prev = h.digest()
-        yield prev
-
-
-def block_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
-    """Chained keys of every full block: h_i = blake2b-128(h_{i-1} + int64-LE(tokens of block i)), h_{-1} = b""."""
-    if page_size <= 0:
-        raise ValueError(f"page_size={page_size} must be positive")
-    return list(_iter_block_hashes(token_ids, page_size, len(token_ids) // page_size))
 
 
 @dataclass
@@ -79,7 +59,7 @@ class PrefixCache:
         # NOTE: at least the last prompt token must go through the model to produce logits, hence len - 1.
         max_blocks = max(len(token_ids) - 1, 0) // self.page_size
         pages: list[int] = []
-        for key in _iter_block_hashes(token_ids, self.page_size, max_blocks):
+        for key in iter_block_hashes(token_ids, self.page_size, max_blocks):
             block = self._blocks.get(key)
             if block is None:
                 break

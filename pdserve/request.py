@@ -11,19 +11,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pdserve.sampling import SamplingParams
+from pdserve.common.values import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # eos, a stop token id or a stop string
-    LENGTH = "length"  # max_new_tokens, or the model's context is full
-    ABORT = "abort"  # cancelled by the client or the operator
 
 
 @dataclass(eq=False)

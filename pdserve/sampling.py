@@ -7,56 +7,12 @@ cannot drift apart.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Collection, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-FINISH_STOP = "stop"  # eos (unless ignore_eos), a stop token id or a stop string
-FINISH_LENGTH = "length"  # max_new_tokens reached
-GREEDY_BELOW_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding settings (OpenAI/vLLM semantics). Lists are accepted and stored as tuples."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = off; -1 is normalised to 0
-    seed: Optional[int] = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        # NOTE: a bare string would otherwise become a tuple of one-character stop strings.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}")
-        if self.top_k == -1:
-            object.__setattr__(self, "top_k", 0)
-        if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed}")
-        if any(not isinstance(s, str) or s == "" for s in stop):
-            raise ValueError(f"stop must contain only non-empty strings, got {stop!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        # As in vLLM: dividing by a temperature this small overflows float32 logits to inf (then NaN).
-        return self.temperature < GREEDY_BELOW_TEMPERATURE
+from pdserve.common.values import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 
 def make_generator(seed: Optional[int], device: torch.device | str = "cpu") -> Optional[torch.Generator]:

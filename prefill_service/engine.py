@@ -16,9 +16,9 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.engine import LLMEngine
-from pdserve.grpc_shell import exhausted
+from pdserve.serving.grpc_shell import exhausted
 from pdserve.kv_transfer import KVSender
-from pdserve.prefix_cache import block_hashes
+from pdserve.common.blocks import block_hashes
 from pdserve.request import FinishReason, Request
 from pdserve.sampling import SamplingParams, make_generator
 

@@ -41,7 +41,7 @@ class OwnershipPublisher:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        from pdserve.router.ownership import OwnershipUnavailable
+        from pdserve.cluster.ownership import OwnershipUnavailable
 
         while True:
             item: Optional[tuple] = self._queue.get()

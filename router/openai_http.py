@@ -31,9 +31,9 @@ import jinja2
 from aiohttp import web
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pdserve.auth import SecurityConfig, token_accepted
-from pdserve.grpc_shell import Drain, ServiceError
-from pdserve.sampling import SamplingParams
+from pdserve.serving.auth import SecurityConfig, token_accepted
+from pdserve.serving.grpc_shell import Drain, ServiceError
+from pdserve.common.values import SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 
 from .server import Router

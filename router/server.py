@@ -13,20 +13,20 @@ from typing import AsyncIterator, Optional
 
 import grpc
 
-from pdserve.auth import BearerAuthInterceptor
-from pdserve.grpc_shell import (
+from pdserve.serving.auth import BearerAuthInterceptor
+from pdserve.serving.grpc_shell import (
     MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, start_serving,
 )
-from pdserve.metrics import Metrics
-from pdserve.prefix_cache import block_hashes
-from pdserve.rpc_convert import DEFAULT_MAX_NEW_TOKENS, FINISH_FROM_PROTO, sampling_from_proto, sampling_to_proto
-from pdserve.sampling import SamplingParams
-from pdserve.tokenizer import Tokenizer
+from pdserve.serving.metrics import Metrics
+from pdserve.common.blocks import block_hashes
+from pdserve.serving.rpc_convert import DEFAULT_MAX_NEW_TOKENS, FINISH_FROM_PROTO, sampling_from_proto, sampling_to_proto
+from pdserve.common.values import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import generate_pb2_grpc as gen_grpc
 from pdserve.v1 import worker_pb2 as pb
 
-from .ownership import OwnershipStore, OwnershipUnavailable
+from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
 from .workers import Worker, WorkerPool, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ from typing import Optional
 
 import grpc
 
-from pdserve.auth import SecurityConfig
-from pdserve.grpc_shell import INTERNAL_CHANNEL_OPTIONS
-from pdserve.kv_transfer import KVLayout
-from pdserve.rpc_convert import layout_from_proto
+from pdserve.serving.auth import SecurityConfig
+from pdserve.serving.grpc_shell import INTERNAL_CHANNEL_OPTIONS
+from pdserve.common.values import KVLayout
+from pdserve.serving.rpc_convert import layout_from_proto
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 

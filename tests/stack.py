@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.rpc_convert import FINISH_FROM_PROTO, sampling_to_proto
+from pdserve.serving.rpc_convert import FINISH_FROM_PROTO, sampling_to_proto
 from pdserve.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import generate_pb2_grpc as gen_grpc

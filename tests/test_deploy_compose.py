@@ -14,7 +14,7 @@ import yaml
 from compose_spec import PyCompose
 
 from pdserve.cli import build_parser
-from pdserve.env import known_variables
+from pdserve.cli.env import known_variables
 
 from stack import REPO
 from test_deploy_images import entrypoint_default, exposed_ports, image_tag

@@ -1,4 +1,4 @@
-"""PDSERVE_<FLAG> environment variables as flag defaults (pdserve/env.py): typed like the flags, flags win, errors
+"""PDSERVE_<FLAG> environment variables as flag defaults (pdserve/cli/env.py): typed like the flags, flags win, errors
 name the variable; and `pdserve healthcheck`, the images' HEALTHCHECK, against real gRPC health servers."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.cli import build_parser, main
-from pdserve.env import EnvError, known_variables, parse_args, variable_for
+from pdserve.cli.env import EnvError, known_variables, parse_args, variable_for
 
 from stack import REPO, free_port
 

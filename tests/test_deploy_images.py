@@ -17,7 +17,7 @@ import pytest
 from dockerfile_parse import DockerfileParser
 
 from pdserve.cli import build_parser
-from pdserve.env import known_variables
+from pdserve.cli.env import known_variables
 
 from stack import REPO
 

@@ -14,7 +14,7 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from pdserve.cli import build_parser
-from pdserve.env import known_variables
+from pdserve.cli.env import known_variables
 
 from stack import REPO
 from test_deploy_compose import flag_default, role_ports

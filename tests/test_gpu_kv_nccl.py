@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# NOTE: as `pdserve prefill/decode --kv-transport nccl` run (serve_cli): the transport aborts a failed pair itself;
+# NOTE: as `pdserve prefill/decode --kv-transport nccl` run (pdserve.cli.serve): the transport aborts a failed pair itself;
 # torch's default error handling would take the whole process down. Inherited by the processes started here.
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
 PREFILL_DEVICE, DECODE_DEVICE = "cuda:0", "cuda:1"

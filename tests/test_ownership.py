@@ -9,7 +9,7 @@ import pytest
 from redis_server import redis_fixture
 
 from pdserve.prefix_cache import block_hashes
-from pdserve.router.ownership import (OWNERSHIP_STORES, MemoryOwnership, OwnershipUnavailable, RedisOwnership,
+from pdserve.cluster.ownership import (OWNERSHIP_STORES, MemoryOwnership, OwnershipUnavailable, RedisOwnership,
                                       leading_runs)
 
 redis_server = redis_fixture()

@@ -145,7 +145,7 @@ def test_redis_url_with_a_password_is_passed_through(tmp_path):
     """redis://:PASSWORD@host URLs (and rediss:// for TLS) go to redis-py unchanged: AUTH works, a wrong one fails."""
     from redis_server import REDIS_SERVER
 
-    from pdserve.router.ownership import OwnershipUnavailable, RedisOwnership
+    from pdserve.cluster.ownership import OwnershipUnavailable, RedisOwnership
 
     if not os.path.exists(REDIS_SERVER):
         pytest.skip("needs redis-server")

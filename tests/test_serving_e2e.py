@@ -75,7 +75,7 @@ def test_32_concurrent_requests_and_pools_return_to_idle(stack_2p2d, reference):
 def test_cancel_mid_stream_frees_pages_on_both_tiers(stack_1p1d):
     import grpc as _grpc
 
-    from pdserve.rpc_convert import sampling_to_proto
+    from pdserve.serving.rpc_convert import sampling_to_proto
     from pdserve.v1 import generate_pb2 as gen_pb
     from pdserve.v1 import generate_pb2_grpc as gen_grpc
 

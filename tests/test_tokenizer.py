@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pdserve.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from pdserve.common.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 CORPUS = [

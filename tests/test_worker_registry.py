@@ -8,7 +8,7 @@ import time
 import pytest
 from redis_server import redis_fixture
 
-from pdserve.router.registry import RegistryUnavailable, WorkerRegistration, discover_workers, worker_key
+from pdserve.cluster.worker_registry import RegistryUnavailable, WorkerRegistration, discover_workers, worker_key
 
 redis_server = redis_fixture()
 
@@ -92,7 +92,7 @@ def test_discover_raises_registry_unavailable_fast(redis_server):
 
 
 def test_heartbeat_reregisters_after_redis_restart(redis_server, caplog):
-    caplog.set_level(logging.WARNING, logger="pdserve.router.registry")
+    caplog.set_level(logging.WARNING, logger="pdserve.cluster.worker_registry")
     reg = WorkerRegistration(redis_server.url, key_prefix="t", ttl_s=1.0).start(PREFILL)
     try:
         redis_server.stop()

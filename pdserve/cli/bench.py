@@ -103,7 +103,7 @@ async def run(args: argparse.Namespace) -> dict:
     # NOTE: imported here so that `pdserve --help` does not load gRPC.
     import grpc
 
-    from pdserve.auth import bearer_metadata
+    from pdserve.serving.auth import bearer_metadata
     from pdserve.v1 import generate_pb2 as gen_pb
     from pdserve.v1 import generate_pb2_grpc as gen_grpc
 

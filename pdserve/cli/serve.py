@@ -14,10 +14,14 @@ import sys
 import time
 from typing import Optional
 
+from pdserve.cli.choices import LazyChoices
+
 log = logging.getLogger("pdserve")
 # The committed demo model (scripts/train_tiny.py: 4M parameters trained on Python's standard library, with an MTP
 # layer that NextN speculation accepts); the random tiny model is made only if a checkout lacks it.
-DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-trained")
+# pdserve/cli/serve.py -> the checkout root, where models/tiny-trained is committed
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models",
+                                 "tiny-trained")
 FALLBACK_MODEL_DIR = os.path.join("models", "tiny-deepseek-v3")
 
 
@@ -31,7 +35,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one, printed at start)")
     g.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
     g.add_argument("--worker-id", default=None, help="stable id (default: role-hostname-pid-random)")
-    g.add_argument("--kv-transport", default="tcp", choices=kv_transport_names(),
+    g.add_argument("--kv-transport", default="tcp", choices=LazyChoices(kv_transport_names),
                    help="how KV moves between tiers: tcp (sockets, any device), nccl (GPU to GPU), gloo (CPU "
                         "pools); prefill and decode must use the same (default tcp)")
     g.add_argument("--transfer-timeout", type=float, default=300.0, metavar="S",
@@ -76,7 +80,7 @@ def add_reliability_args(p: argparse.ArgumentParser, internal_server: bool):
 
 
 def security_from_args(args: argparse.Namespace):
-    from pdserve.auth import SecurityConfig
+    from pdserve.serving.auth import SecurityConfig
 
     return SecurityConfig(internal_token=getattr(args, "internal_token", None),
                           api_keys=tuple(getattr(args, "api_key", None) or ()),
@@ -85,7 +89,7 @@ def security_from_args(args: argparse.Namespace):
 
 
 def _identity(args, role: str, port: int):
-    from pdserve.worker_common import WorkerIdentity, new_worker_id
+    from pdserve.serving.worker_common import WorkerIdentity, new_worker_id
 
     host = args.advertise_host or (args.host if args.host != "0.0.0.0" else socket.gethostname())
     return WorkerIdentity(args.worker_id or new_worker_id(role), role, f"{host}:{port}")
@@ -94,7 +98,7 @@ def _identity(args, role: str, port: int):
 def _serve_metrics(metrics, port: Optional[int]) -> Optional[int]:
     if port is None:
         return None
-    from pdserve.metrics import serve_metrics
+    from pdserve.serving.metrics import serve_metrics
 
     return serve_metrics(metrics, port)
 
@@ -102,7 +106,7 @@ def _serve_metrics(metrics, port: Optional[int]) -> Optional[int]:
 def _register(args, worker, role: str, metrics_port: Optional[int]):
     if not args.redis_url:
         return None
-    from pdserve.router.registry import WorkerRegistration
+    from pdserve.cluster.worker_registry import WorkerRegistration
 
     reg = WorkerRegistration(args.redis_url)
     reg.start({"worker_id": worker.identity.worker_id, "role": role, "address": worker.identity.address,
@@ -119,8 +123,8 @@ def _nccl_error_handling(args: argparse.Namespace) -> None:
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
-    from pdserve.cli import engine_config_from_args
-    from pdserve.metrics import Metrics
+    from pdserve.cli.engine_args import engine_config_from_args
+    from pdserve.serving.metrics import Metrics
     from pdserve.prefill_service.publisher import OwnershipPublisher
     from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
 
@@ -138,7 +142,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         worker.identity = dataclasses.replace(worker.identity, address=_identity(args, "prefill", port).address)
         mport = _serve_metrics(metrics, args.metrics_port)
         if args.redis_url:
-            from pdserve.router.ownership import RedisOwnership
+            from pdserve.cluster.ownership import RedisOwnership
 
             store = RedisOwnership(args.redis_url)
             try:  # a restarted worker with a stable id holds nothing yet
@@ -159,9 +163,9 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from pdserve.cli import engine_config_from_args
+    from pdserve.cli.engine_args import engine_config_from_args
     from pdserve.decode_service.server import DecodeWorker, DecodeWorkerConfig, serve_decode
-    from pdserve.metrics import Metrics, SpecMetrics
+    from pdserve.serving.metrics import Metrics, SpecMetrics
 
     _nccl_error_handling(args)
     engine = engine_config_from_args(args)
@@ -218,17 +222,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 async def run_router(args: argparse.Namespace, on_ready=None) -> None:
-    from pdserve.grpc_shell import serve_until_signal
-    from pdserve.metrics import Metrics
-    from pdserve.router.ownership import OWNERSHIP_STORES
+    from pdserve.serving.grpc_shell import serve_until_signal
+    from pdserve.serving.metrics import Metrics
+    from pdserve.cluster.ownership import OWNERSHIP_STORES
     from pdserve.router.server import Router, RouterConfig, start_router
     from pdserve.router.workers import WorkerPool
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.common.tokenizer import Tokenizer
 
     metrics = Metrics.create("router")
     if args.redis_url:
-        from pdserve.router.ownership import redis_client
-        from pdserve.router.registry import RegistryUnavailable, discover_workers
+        from pdserve.cluster.ownership import redis_client
+        from pdserve.cluster.worker_registry import RegistryUnavailable, discover_workers
 
         client = redis_client(args.redis_url)
 
@@ -276,7 +280,7 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
 
 def cmd_router(args: argparse.Namespace) -> int:
     if not (args.prefill and args.decode) and not args.redis_url:
-        from pdserve.cli import UsageError
+        from pdserve.cli.engine_args import UsageError
 
         raise UsageError("give workers with --prefill HOST:PORT and --decode HOST:PORT, or --redis-url to discover")
     asyncio.run(run_router(args))
@@ -284,6 +288,25 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 # ---- pdserve up: the whole stack on one machine -----------------------------------------------------------------
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when the server reports SERVING on grpc.health.v1, else 1 (what Docker's HEALTHCHECK expects: 2 is
+    reserved there, so even an unreachable server is a plain 1)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = args.target or f"127.0.0.1:{args.port}"
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"{target}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{target}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -333,7 +356,7 @@ def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
 
     need, have = args.prefill + args.decode, torch.cuda.device_count()
     if have < need:
-        from pdserve.cli import UsageError
+        from pdserve.cli.engine_args import UsageError
 
         raise UsageError(f"--kv-transport nccl puts each worker on its own GPU: {need} workers need {need} GPUs, "
                          f"this machine has {have} (use tcp, or fewer workers)")
@@ -342,7 +365,7 @@ def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
 
 def cmd_up(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
-        from pdserve.cli import UsageError
+        from pdserve.cli.engine_args import UsageError
 
         raise UsageError("--prefill and --decode must each be at least 1")
     if args.model is None:
@@ -399,7 +422,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def generate_remote(args: argparse.Namespace, params) -> int:
     import grpc
 
-    from pdserve.rpc_convert import FINISH_FROM_PROTO, sampling_to_proto
+    from pdserve.serving.rpc_convert import FINISH_FROM_PROTO, sampling_to_proto
     from pdserve.v1 import generate_pb2 as gen_pb
     from pdserve.v1 import generate_pb2_grpc as gen_grpc
 

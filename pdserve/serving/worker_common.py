@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine import LLMEngine
-from pdserve.kv_transfer import KVLayout
+from pdserve.common.values import KVLayout
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pdserve.kv_transfer import KVLayout
-from pdserve.sampling import SamplingParams
+from pdserve.common.values import KVLayout
+from pdserve.common.values import SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as worker_pb
 

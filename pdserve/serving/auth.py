@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import grpc
 
-from pdserve.grpc_shell import deny
+from pdserve.serving.grpc_shell import deny
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 

@@ -1,0 +1,122 @@
+"""`pdserve` command line. argparse lives only here; everything below takes typed configs.
+
+Errors a user can fix (bad flags, a broken model directory, bad token ids) print one line naming the problem and
+exit with status 2; nothing is half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from pdserve.cli import bench, engine_commands, serve
+from pdserve.cli.choices import ArgumentParser, LazyChoices
+from pdserve.cli.engine_args import (  # noqa: F401  (the CLI's API: tests and tools build configs with them)
+    UsageError, add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args,
+    _token_ids,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog="pdserve",
+        description="Prefill/decode disaggregated serving for DeepSeek-V3-family models (MLA, MoE, NextN).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser("generate", help="run a prompt through the single-process engine and print the output",
+                         description="Run one prompt through the single-process engine (greedy by default).")
+    add_engine_args(gen)
+    src = gen.add_argument_group("input")
+    src.add_argument("--prompt", help="text prompt (needs tokenizer.json in the model directory)")
+    src.add_argument("--input-ids", type=_token_ids, metavar="1,2,3", help="prompt as token ids")
+    add_sampling_args(gen)
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object: output_ids, text, finish_reason and token counts")
+    gen.add_argument("--target", metavar="HOST:PORT", help="send the request to a running router instead of "
+                     "loading the model here (then the engine flags are ignored)")
+    gen.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a --target (default 600)")
+    gen.set_defaults(func=engine_commands.cmd_generate)
+
+    for role, text in (("prefill", "run a prefill worker (computes prompts, ships their KV to decode workers)"),
+                       ("decode", "run a decode worker (receives KV, streams tokens)")):
+        w = sub.add_parser(role, help=text, description=text[0].upper() + text[1:] + ".")
+        add_engine_args(w)
+        serve.add_worker_args(w, role)
+        w.set_defaults(func=getattr(serve, f"cmd_{role}"))
+    router = sub.add_parser("router", help="run the router (client API; picks workers, relays streams)",
+                            description="Run the router: serves pdserve.v1.Generation and routes each request to "
+                                        "a prefill and a decode worker.")
+    serve.add_router_args(router)
+    router.set_defaults(func=serve.cmd_router)
+
+    up = sub.add_parser("up", help="run router + prefill + decode workers locally until interrupted",
+                        description="Start a router with N prefill and M decode worker processes on this machine "
+                                    "(CPU unless a GPU is there) and stay up until Ctrl-C.")
+    add_engine_args(up)
+    ug = up.add_argument_group("stack")
+    ug.add_argument("--host", default="127.0.0.1")
+    ug.add_argument("--port", type=int, default=50051, help="router's client port (default 50051)")
+    ug.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    ug.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    ug.add_argument("--redis-url", default=None, help="Redis for discovery and prefix ownership (optional)")
+    ug.add_argument("--balance-threshold", type=int, default=4)
+    ug.add_argument("--metrics-port", type=int, default=None, help="router /metrics port (workers pick free ones)")
+    ug.add_argument("--http-port", type=int, default=None,
+                    help="router's OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions; default off)")
+    ug.add_argument("--transfer-timeout", type=float, default=300.0)
+    ug.add_argument("--kv-transport", default="tcp", choices=LazyChoices(serve.kv_transport_names),
+                    help="KV transport of every worker (default tcp); with nccl, worker k runs on cuda:k (NCCL "
+                         "pairs two different GPUs)")
+    ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
+    up.set_defaults(func=serve.cmd_up)
+
+    hc = sub.add_parser("healthcheck", help="ask a pdserve server for its grpc.health.v1 status (exit 0 = SERVING)",
+                        description="Check a router or worker through grpc.health.v1: exit 0 when SERVING, 1 "
+                                    "otherwise (unreachable included). The container images' HEALTHCHECK.")
+    hc.add_argument("--target", metavar="HOST:PORT", help="server to check (default: 127.0.0.1:--port)")
+    hc.add_argument("--port", type=int, default=50051,
+                    help="local port checked without --target; PDSERVE_PORT, so in a container it is the port the "
+                         "role was started on (default 50051)")
+    hc.add_argument("--service", default="", help="service name to check ('' = the server as a whole)")
+    hc.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    hc.set_defaults(func=serve.cmd_healthcheck)
+
+    b = sub.add_parser("bench", help="load-test a running router (throughput, TTFT/ITL/TPOT/E2E, errors)",
+                       description="Send random token-id prompts to a router (Poisson arrivals or all at once, "
+                                   "optional concurrency cap and shared prefixes) and report throughput, latency "
+                                   "percentiles and errors by status.")
+    bench.add_bench_args(b)
+    b.set_defaults(func=bench.cmd_bench)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (with MTP + tokenizer)",
+                          description="Write a small random checkpoint in Hugging Face format for demos and tests.")
+    tiny.add_argument("dir", help="output directory (must not exist or be empty)")
+    tiny.add_argument("--arch", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v2"])
+    tiny.add_argument("--fp8", action="store_true", help="store linear weights block-quantized (128x128) in FP8")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=engine_commands.cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from pdserve.cli.env import EnvError, parse_args
+
+    try:  # PDSERVE_<FLAG> variables are the flags' defaults; flags given here win
+        args = parse_args(build_parser(), argv, os.environ)
+    except EnvError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (UsageError, ValueError, FileExistsError, OSError, RuntimeError,
+            TimeoutError) as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

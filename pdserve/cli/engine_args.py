@@ -1,0 +1,128 @@
+"""Engine and sampling flags, shared by every command that runs the model (generate, prefill, decode, up).
+
+argparse lives only in `pdserve.cli`; everything below it takes typed configs. Imports no torch: the backend names
+the flags accept come from the kernel registries only when a value is checked or help is shown, so the commands
+that run no model (router, bench, healthcheck) start without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.cli.choices import LazyChoices
+
+
+def attention_backend_names() -> list[str]:
+    from pdserve.kernels import ATTENTION_BACKENDS
+
+    return ["auto", *ATTENTION_BACKENDS.names()]
+
+
+def moe_backend_names() -> list[str]:
+    from pdserve.kernels import MOE_BACKENDS
+
+    return ["auto", *MOE_BACKENDS.names()]
+
+
+class UsageError(Exception):
+    pass
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that runs the model (generate, and later the prefill/decode workers)."""
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + safetensors)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation/weight dtype; auto = the checkpoint's (FP8 weights stay FP8)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy = random weights of the configured shapes, no files needed")
+    g.add_argument("--attention-backend", default="auto", choices=LazyChoices(attention_backend_names),
+                   help="auto, on a GPU: triton for decoding under CUDA graphs (FlashInfer re-plans on the host "
+                        "before every graphed step), else flashinfer, then triton, whichever is installed; torch on "
+                        "CPU")
+    g.add_argument("--moe-backend", default="auto", choices=LazyChoices(moe_backend_names),
+                   help="auto = deep_gemm or triton on a GPU when installed, torch on CPU")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (to compare)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=64,
+                   help="largest decode batch captured in a CUDA graph (default 64)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--num-pages", type=int, default=2048, help="pages in the latent KV pool (default 2048)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step; longer prompts are prefilled in chunks (default 2048)")
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+    sg = p.add_argument_group("speculative decoding (decode tier and generate; off by default)")
+    sg.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=["NEXTN"],
+                    help="NEXTN = draft with the checkpoint's MTP layer, verify with the model (lossless)")
+    sg.add_argument("--speculative-num-steps", type=int, default=3, metavar="K",
+                    help="draft steps chained through the MTP layer per round (default 3)")
+    sg.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+                    help="positions verified per round; must be --speculative-num-steps + 1 (the default)")
+
+
+def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False):
+    """prefill_only: a prefill worker's engine. It never decodes, so it captures no decode CUDA graphs (memory and
+    start-up time for nothing) and those do not steer --attention-backend auto."""
+    from pdserve.engine import EngineConfig
+    from pdserve.kv_cache import CacheConfig
+    from pdserve.scheduler import SchedulerConfig
+    from pdserve.spec_decode import SpeculativeConfig
+
+    if not args.model:
+        raise UsageError("--model DIR is required")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from pdserve.cuda_graph import CudaGraphConfig
+    from pdserve.kernels.backends import resolve_backends
+
+    graphed_decode = not prefill_only and not args.disable_cuda_graph
+    attention, moe, gemm = resolve_backends(args.attention_backend, args.moe_backend, device, graphed_decode)
+    return EngineConfig(
+        model_dir=args.model, dtype=args.dtype, device=device, load_format=args.load_format,
+        attention_backend=attention, moe_backend=moe, gemm_backend=gemm,
+        cuda_graph=CudaGraphConfig(enabled=graphed_decode, max_bs=args.cuda_graph_max_bs),
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
+        speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_num_steps,
+                                      args.speculative_num_draft_tokens),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_running_requests=args.max_running_requests,
+                                  enable_prefix_cache=not args.no_prefix_cache),
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="1,2")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from pdserve.common.values import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                          stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos)
+
+
+def _progress(msg: str) -> None:
+    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+

@@ -1,0 +1,112 @@
+"""Value types the tiers pass to each other, in a module without torch (the router imports them).
+
+`SamplingParams` (per-request decoding settings), `FinishReason`, and `KVLayout` (what a prefill and a decode
+worker must agree on before KV moves).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+FINISH_STOP = "stop"  # eos (unless ignore_eos), a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_new_tokens reached
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings (OpenAI/vLLM semantics). Lists are accepted and stored as tuples."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off; -1 is normalised to 0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # NOTE: a bare string would otherwise become a tuple of one-character stop strings.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed}")
+        if any(not isinstance(s, str) or s == "" for s in stop):
+            raise ValueError(f"stop must contain only non-empty strings, got {stop!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        # As in vLLM: dividing by a temperature this small overflows float32 logits to inf (then NaN).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens, or the model's context is full
+    ABORT = "abort"  # cancelled by the client or the operator
+
+
+# torch dtype names a KV pool may use (torch's own names, so `getattr(torch, name)` is the dtype).
+KV_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both sides must agree on before any KV byte moves (checked at the handshake)."""
+
+    model_fingerprint: str  # identifies model weights + config (same model on both sides)
+    page_size: int
+    num_kv_layers: int
+    kv_dim: int  # latent row width, 576 for DeepSeek-V3 (512 + 64 rope)
+    dtype: str  # torch dtype name of the KV rows, e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_kv_layers", "kv_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name}={getattr(self, name)} must be positive")
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"KVLayout.dtype={self.dtype!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+
+    @property
+    def torch_dtype(self):
+        import torch  # NOTE: here, not at the top: the router imports this module and must not load torch
+
+        return getattr(torch, self.dtype)
+
+    def mismatch(self, other: KVLayout, names: tuple[str, str] = ("prefill", "decode")) -> str | None:
+        """None if compatible, else one line naming every differing field with both values, e.g.
+        "page_size: prefill 16 vs decode 4". `self` is described as names[0], `other` as names[1]."""
+        diffs = [
+            f"{f.name}: {names[0]} {getattr(self, f.name)!r} vs {names[1]} {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        return "; ".join(diffs) if diffs else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        missing = [f.name for f in fields(cls) if f.name not in d]
+        if missing:
+            raise ValueError(f"KVLayout is missing field(s) {', '.join(missing)}")
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
