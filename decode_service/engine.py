@@ -1,8 +1,9 @@
 """The decode tier's engine: reserves pages for requests a prefill worker computes, receives their latent KV into
 those pages, and continues them in its continuously batched decode loop (absorbed MLA).
 
+A request has one identity here, its request_id (the transfer's room lives inside kv_transfer).
 Request life on this side (each step runs on the engine thread):
-  reserve() -> pages held, room registered with the receiver (waiting for KV)
+  reserve() -> pages held, the request's transfer registered with the receiver (waiting for KV)
   KV layers arrive -> written into the pages (by the transport itself for nccl/gloo);  aux arrives ->
   add_prefilled(): first token streamed, decoding
   finish / abort / cancel / transfer failure -> pages freed (never leaked: every exit path goes through _release;
@@ -11,7 +12,6 @@ Request life on this side (each step runs on the engine thread):
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -20,14 +20,14 @@ import torch
 
 from pdserve.engine import LLMEngine, RequestOutput
 from pdserve.serving.grpc_shell import exhausted
-from pdserve.kv_transfer import KVTransferError
+from pdserve.kv_transfer import KVTransferError, RequestReceiver
 from pdserve.sampling import SamplingParams
 
 
 @dataclass
 class PendingTransfer:
-    room: int
     request_id: str
+    room: int  # the transfer's id on the wire, handed to prefill through the router
     prompt_ids: list[int]
     params: SamplingParams
     pages: list[int]
@@ -36,27 +36,25 @@ class PendingTransfer:
 
 
 class DecodeEngine:
-    def __init__(self, core: LLMEngine, receiver, num_layers_expected: int,
-                 on_output: Callable[[int, RequestOutput], None],
-                 on_failed: Callable[[int, Exception], None], max_queued: int = 256):
-        """on_output(room, output) and on_failed(room, error) are called on the engine thread. max_queued: rooms
+    def __init__(self, core: LLMEngine, receiver: RequestReceiver, num_layers_expected: int,
+                 on_output: Callable[[RequestOutput], None],
+                 on_failed: Callable[[str, Exception], None], max_queued: int = 256):
+        """on_output(output) and on_failed(request_id, error) are called on the engine thread. max_queued: requests
         reserved and still waiting for their KV; a bounded queue answers "full" at once."""
         self.core, self.receiver = core, receiver
         self.max_queued = max_queued
         self.pool = core.pool
         self.num_layers_expected = num_layers_expected
         self.on_output, self.on_failed = on_output, on_failed
-        self._rooms = itertools.count(1)
-        self.pending: dict[int, PendingTransfer] = {}
-        self.cancelling: dict[int, PendingTransfer] = {}  # aborted; pages freed at the receiver's last callback
-        self.room_of: dict[str, int] = {}  # request id -> room, for requests decoding here
+        self.pending: dict[str, PendingTransfer] = {}  # request id -> reserved pages waiting for their KV
+        self.cancelling: dict[str, PendingTransfer] = {}  # aborted; pages freed at the receiver's last callback
 
     @property
     def has_work(self) -> bool:
         return self.core.has_unfinished
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PendingTransfer:
-        if request_id in self.room_of:
+        if request_id in self.pending or request_id in self.cancelling or self.core.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use on this decode worker")
         self.core.encode(prompt_ids)  # vocabulary check
         if params.stop and self.core.tokenizer is None:
@@ -72,17 +70,19 @@ class DecodeEngine:
         if pages is None:
             free = self.pool.allocator.num_free
             raise exhausted(f"no KV room on this decode worker: the prompt needs {needed} pages, {free} are free")
-        room = next(self._rooms)
-        t = PendingTransfer(room, request_id, list(prompt_ids), params, pages)
-        self.pending[room] = t
-        self.room_of[request_id] = room
-        self.receiver.expect(room, len(prompt_ids), pages, self.num_layers_expected)
+        try:
+            room = self.receiver.expect(request_id, len(prompt_ids), pages, self.num_layers_expected)
+        except BaseException:
+            self.pool.allocator.decref(pages)
+            raise
+        t = PendingTransfer(request_id, room, list(prompt_ids), params, pages)
+        self.pending[request_id] = t
         return t
 
     # ---- called (through the engine loop) by the receiver's callbacks -------------------------------------------
-    def kv_layer(self, room: int, layer: int, slots: torch.Tensor, values: Optional[torch.Tensor]) -> None:
+    def kv_layer(self, request_id: str, layer: int, slots: torch.Tensor, values: Optional[torch.Tensor]) -> None:
         """values None: the transport already wrote the layer into the pages (nccl, gloo)."""
-        t = self.pending.get(room)
+        t = self.pending.get(request_id)
         if t is None:
             return  # aborted meanwhile
         if values is not None:
@@ -90,10 +90,10 @@ class DecodeEngine:
                                                                                          self.pool.kv.dtype))
         t.layers_received += 1
 
-    def kv_done(self, room: int, aux: dict) -> None:
-        t = self.pending.pop(room, None)
+    def kv_done(self, request_id: str, aux: dict) -> None:
+        t = self.pending.pop(request_id, None)
         if t is None:
-            self._cancelled(room)
+            self._cancelled(request_id)
             return
         assert t.layers_received == self.num_layers_expected, "receiver reported done before every layer"
         first, cached = aux.get("first_token_id"), aux.get("cached_tokens", 0)
@@ -111,56 +111,42 @@ class DecodeEngine:
                 problem = f"the prefilled request was refused: {e}"
         if problem is not None:
             self._release(t)
-            self.on_failed(room, KVTransferError("protocol", f"room {room}: {problem}"))
+            self.on_failed(request_id, KVTransferError("protocol", f"room {t.room}: {problem}"))
             return
-        self._emit(out)
+        self.on_output(out)
 
-    def kv_failed(self, room: int, error: Exception) -> None:
-        t = self.pending.pop(room, None)
+    def kv_failed(self, request_id: str, error: Exception) -> None:
+        t = self.pending.pop(request_id, None)
         if t is None:
-            self._cancelled(room)
+            self._cancelled(request_id)
             return
         self._release(t)
-        self.on_failed(room, error)
+        self.on_failed(request_id, error)
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def step(self) -> None:
         for out in self.core.step():
-            self._emit(out)
+            self.on_output(out)
 
     def abort(self, request_id: str) -> bool:
-        room = self.room_of.get(request_id)
-        if room is None:
-            return False
-        t = self.pending.pop(room, None)
-        if t is not None:  # still waiting for its KV
-            if self.receiver.cancel(room):
-                self._release(t)
-            else:  # the receiver owes this room a callback (maybe still writing its pages): free them then
-                self.cancelling[room] = t
-                self.room_of.pop(request_id, None)
-        else:
-            self.core.abort(request_id)
-            self.room_of.pop(request_id, None)
+        t = self.pending.pop(request_id, None)
+        if t is None:
+            return self.core.abort(request_id)
+        if self.receiver.cancel(request_id):  # still waiting for its KV
+            self._release(t)
+        else:  # the receiver owes this transfer a callback (maybe still writing its pages): free them then
+            self.cancelling[request_id] = t
         return True
 
     def _release(self, t: PendingTransfer) -> None:
         self.pool.allocator.decref(t.pages)
         t.pages = []
-        self.room_of.pop(t.request_id, None)
 
-    def _cancelled(self, room: int) -> None:
-        """The receiver's last word on a room aborted here: its pages are no longer written, free them."""
-        t = self.cancelling.pop(room, None)
+    def _cancelled(self, request_id: str) -> None:
+        """The receiver's last word on a transfer aborted here: its pages are no longer written, free them."""
+        t = self.cancelling.pop(request_id, None)
         if t is not None:
-            self.pool.allocator.decref(t.pages)
-            t.pages = []
-
-    def _emit(self, out: RequestOutput) -> None:
-        room = self.room_of[out.request_id]
-        if out.finished:
-            self.room_of.pop(out.request_id, None)
-        self.on_output(room, out)
+            self._release(t)
 
     @property
     def num_transferring(self) -> int:

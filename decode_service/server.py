@@ -17,7 +17,7 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
     Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
 )
-from pdserve.kv_transfer import KVTransferError, TRANSPORTS, check_transport_device
+from pdserve.kv_transfer import KVTransferError, RequestReceiver, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
 from pdserve.serving.rpc_convert import finish_to_proto, layout_to_proto, sampling_from_proto, usage_to_proto
 from pdserve.v1 import generate_pb2 as gen_pb
@@ -63,16 +63,15 @@ class DecodeWorker:
         self.config, self.identity, self.metrics = config, identity, metrics
         self.core = core or LLMEngine(config.engine)
         self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)
-        self.streams: dict[int, Stream] = {}  # room -> stream, touched only on the event loop
+        self.streams: dict[str, Stream] = {}  # request id -> stream, touched only on the event loop
         self.aio_loop: Optional[asyncio.AbstractEventLoop] = None
-        receiver_cls = TRANSPORTS.get(config.kv_transport).receiver
         # Receiver callbacks run on its threads: they only queue work for the engine thread.
-        self.receiver = receiver_cls(
-            self.layout, host=config.kv_host, port=config.kv_port,
-            on_layer=lambda room, layer, slots, values: self.loop.submit(
-                lambda: self.engine.kv_layer(room, layer, slots, values)),
-            on_done=lambda room, aux: self.loop.submit(lambda: self._kv_done(room, aux)),
-            on_failed=lambda room, err: self.loop.submit(lambda: self.engine.kv_failed(room, err)),
+        self.receiver = RequestReceiver(
+            TRANSPORTS.get(config.kv_transport).receiver, self.layout, host=config.kv_host, port=config.kv_port,
+            on_layer=lambda rid, layer, slots, values: self.loop.submit(
+                lambda: self.engine.kv_layer(rid, layer, slots, values)),
+            on_done=lambda rid, aux: self.loop.submit(lambda: self.engine.kv_done(rid, aux)),
+            on_failed=lambda rid, err: self.loop.submit(lambda: self.engine.kv_failed(rid, err)),
             timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
             max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size,
             kv_buffer=self.core.pool.kv)  # nccl/gloo receive straight into the pool's pages; tcp ignores it
@@ -94,25 +93,22 @@ class DecodeWorker:
         self.metrics.queue_length.set(self.engine.num_transferring)
         self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
 
-    def _kv_done(self, room: int, aux: dict) -> None:
-        self.engine.kv_done(room, aux)
+    def _output(self, out: RequestOutput) -> None:
+        self.aio_loop.call_soon_threadsafe(self._deliver, out.request_id, out)
 
-    def _output(self, room: int, out: RequestOutput) -> None:
-        self.aio_loop.call_soon_threadsafe(self._deliver, room, out)
-
-    def _failed(self, room: int, error: Exception) -> None:
+    def _failed(self, request_id: str, error: Exception) -> None:
         kind = getattr(error, "kind", "protocol")
         self.metrics.count(self.metrics.transfer_failures, kind=kind)
-        self.aio_loop.call_soon_threadsafe(self._deliver, room, error)
+        self.aio_loop.call_soon_threadsafe(self._deliver, request_id, error)
 
     def _step_failed(self, error: BaseException) -> None:
         err = ServiceError(grpc.StatusCode.INTERNAL, f"decode step failed: {error}")
-        for room in list(self.streams):
-            self.aio_loop.call_soon_threadsafe(self._deliver, room, err)
+        for request_id in list(self.streams):
+            self.aio_loop.call_soon_threadsafe(self._deliver, request_id, err)
 
     # ---- event loop -------------------------------------------------------------------------------------------------
-    def _deliver(self, room: int, item) -> None:
-        stream = self.streams.get(room)
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self.streams.get(request_id)
         if stream is not None:
             stream.queue.put_nowait(item)
 
@@ -137,6 +133,8 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
         try:
             if not request.input_ids:
                 raise invalid("input_ids: the prompt is empty")
+            if request.request_id in w.streams:  # its previous stream is still being read
+                raise ValueError(f"request_id {request.request_id!r} is already in use on this decode worker")
             params = sampling_from_proto(request.sampling_params)
             ids = list(request.input_ids)
             t = await asyncio.wrap_future(w.loop.submit(lambda: w.engine.reserve(request.request_id, ids, params)))
@@ -144,15 +142,16 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)
         # Registered before any output can exist: outputs are produced only after the KV arrives.
-        w.streams[t.room] = Stream(t.request_id, asyncio.Queue(), time.monotonic())
+        w.streams[t.request_id] = Stream(t.request_id, asyncio.Queue(), time.monotonic())
         return pb.ReserveResponse(room=t.room, kv_endpoint=w.receiver.endpoint, dst_pages=t.pages,
                                   layout=layout_to_proto(w.layout))
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         w = self.w
-        stream = w.streams.get(request.room)
+        stream = w.streams.get(request.request_id)
         if stream is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"room {request.room} is not reserved on this worker")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"request_id {request.request_id!r} is not reserved on this worker")
         finished = False
         try:
             while True:
@@ -181,7 +180,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
                 if finished:
                     return
         finally:
-            w.streams.pop(request.room, None)
+            w.streams.pop(request.request_id, None)
             if not finished:  # the router went away (client cancelled): free the pages now
                 w.metrics.count(w.metrics.requests, outcome="aborted")
                 w.loop.submit(lambda: w.engine.abort(stream.request_id))

@@ -1,19 +1,20 @@
 """pdserve.kv_transfer: moves a prompt's latent KV rows from a prefill worker into a decode worker's pages.
 
 `TRANSPORTS.get(name)` gives a `Transport(sender, receiver)` pair; `TRANSPORTS.names()` feeds the CLI choices.
-The contract is in `base.py`; "tcp" is in `tcp.py`, "nccl" and "gloo" in `collective.py`.
+The contract is in `base.py` (`rooms.py`: the decode worker's view of it, by request id); "tcp" is in `tcp.py`, "nccl" and "gloo" in `collective.py`.
 """
 
 from .base import (
     ERROR_KINDS, TRANSPORTS, KVLayout, KVReceiver, KVSender, KVTransferError, SendHandle, Transport, TransferState,
     TransferStats, TransferStatus, check_transport_device, page_runs, token_slots,
 )
+from .rooms import RequestReceiver
 from .collective import GlooKVReceiver, GlooKVSender, NcclKVReceiver, NcclKVSender
 from .tcp import TcpKVReceiver, TcpKVSender, TcpSendHandle
 
 __all__ = [
     "ERROR_KINDS", "TRANSPORTS", "KVLayout", "KVReceiver", "KVSender", "KVTransferError", "SendHandle", "Transport",
     "TransferState", "TransferStats", "TransferStatus", "check_transport_device", "page_runs", "token_slots",
-    "TcpKVReceiver", "TcpKVSender", "TcpSendHandle", "GlooKVReceiver", "GlooKVSender", "NcclKVReceiver",
+    "RequestReceiver", "TcpKVReceiver", "TcpKVSender", "TcpSendHandle", "GlooKVReceiver", "GlooKVSender", "NcclKVReceiver",
     "NcclKVSender",
 ]

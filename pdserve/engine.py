@@ -183,6 +183,9 @@ class LLMEngine:
         self._stops.pop(request_id, None)
         return req is not None
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

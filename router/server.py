@@ -236,7 +236,7 @@ class Router:
         reserve: pb.ReserveResponse = await decode.stub.Reserve(
             pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
             metadata=md)
-        decode_call = decode.stub.Decode(pb.DecodeRequest(room=reserve.room), timeout=_left(deadline), metadata=md)
+        decode_call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=_left(deadline), metadata=md)
         prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
             request_id=rid, input_ids=ids, sampling_params=sp, room=reserve.room, kv_endpoint=reserve.kv_endpoint,
             dst_pages=reserve.dst_pages, dst_layout=reserve.layout), timeout=_left(deadline), metadata=md))

@@ -63,10 +63,10 @@ def test_no_kv_room_is_resource_exhausted_and_leaks_nothing(stack):
     assert idle.num_free_pages == idle.num_total_pages
 
 
-def test_unknown_room_is_not_found(stack):
+def test_unknown_request_is_not_found(stack):
     with grpc.insecure_channel(stack.decode[0].address) as ch:
         with pytest.raises(grpc.RpcError) as info:
-            list(pb_grpc.DecodeWorkerStub(ch).Decode(pb.DecodeRequest(room=987654), timeout=5))
+            list(pb_grpc.DecodeWorkerStub(ch).Decode(pb.DecodeRequest(request_id="never-reserved"), timeout=5))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 

@@ -85,10 +85,10 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("room",)
-    ROOM_FIELD_NUMBER: _ClassVar[int]
-    room: int
-    def __init__(self, room: _Optional[int] = ...) -> None: ...
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage")
