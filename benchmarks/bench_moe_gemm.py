@@ -187,7 +187,7 @@ def bench_moe_contiguous(token_counts: list[int], tiles: list[tuple[int, dict]])
     """The contiguous-layout MoE (DeepGEMM's prefill contract, on our Triton or Gluon grouped GEMM): each tile's two
     grouped GEMMs against cuBLAS FP8 at the same total rows, and the whole layer with its permutation, SiLU-and-mul
     quantization and weighted combine."""
-    from pdserve.kernels import deep_gemm_moe, moe_align, triton_fp8, triton_grouped_gemm as gg
+    from pdserve.kernels import grouped_contract, moe_align, triton_fp8, triton_grouped_gemm as gg
     from pdserve.kernels import triton_moe_kernels as k
 
     num_experts, hidden, inter, top_k = 256, 7168, 2048, 8
@@ -205,7 +205,8 @@ def bench_moe_contiguous(token_counts: list[int], tiles: list[tuple[int, dict]])
         for block_m, cfg in tiles:
             if block_m not in layouts:
                 aligned = moe_align.align_tokens_layout(ids, num_experts, block_m)
-                layouts[block_m] = (aligned, *deep_gemm_moe.contiguous_layout(x_q, x_s, aligned, top_k, align=block_m))
+                layouts[block_m] = (aligned, *grouped_contract.contiguous_layout(x_q, x_s, aligned, top_k,
+                                                                                 align=block_m))
             aligned, a, sa, m_indices = layouts[block_m]
             rows = a.shape[0]
             d1 = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device="cuda")
@@ -227,7 +228,7 @@ def bench_moe_contiguous(token_counts: list[int], tiles: list[tuple[int, dict]])
             def layer():
                 al = moe_align.align_tokens_layout(ids, num_experts, block_m)
                 xq, xs = triton_fp8.per_token_group_quant(x)
-                a_, sa_, mi = deep_gemm_moe.contiguous_layout(xq, xs, al, top_k, align=block_m)
+                a_, sa_, mi = grouped_contract.contiguous_layout(xq, xs, al, top_k, align=block_m)
                 gg.m_grouped_fp8_gemm_nt_contiguous((a_, sa_), (w13, s13), d1, mi, block_m, cfg)
                 h, h_s = k.silu_mul_quant(d1)
                 gg.m_grouped_fp8_gemm_nt_contiguous((h, h_s), (w2, s2), d2, mi, block_m, cfg)

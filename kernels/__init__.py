@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from .attention import ATTENTION_BACKENDS, AttentionBackend
 from .gemm import GEMM_BACKENDS, GemmBackend
 from .moe import MOE_BACKENDS, MoEBackend
-# Register the GPU backends whose packages import (none of these imports triton itself).
-from . import deep_gemm_moe, flashinfer_attention, triton_attention, triton_gemm, triton_moe  # noqa: F401,E402
+# Register the GPU backends whose packages are installed (none of these imports triton or deep_gemm itself).
+from . import (deep_gemm_dense, deep_gemm_moe, flashinfer_attention, triton_attention, triton_gemm,  # noqa: F401,E402
+               triton_moe)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Which kernel backends this machine can run, and an error that says what is missing for one it cannot.
 
-Registration (kernels/registry.py) says a backend's package imports; availability adds the device it needs.
+Registration (pdserve/common/registry.py) says a backend's package is there; availability adds the device it needs
+and, for deep_gemm, that the installed build runs on it (a child process checks once: deep_gemm_ops.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import importlib.util
 
 import torch
 
-from . import flashinfer_attention, triton_attention  # noqa: F401  (register the backends whose packages import)
+from . import deep_gemm_ops, flashinfer_attention, triton_attention  # noqa: F401  (register what is installed)
 from .attention import ATTENTION_BACKENDS
 from .gemm import GEMM_BACKENDS
 from .moe import MOE_BACKENDS
@@ -17,7 +18,8 @@ from .triton_support import interpreter_requested, triton_installed
 
 REGISTRIES = {"attention": ATTENTION_BACKENDS, "moe": MOE_BACKENDS, "gemm": GEMM_BACKENDS}
 _PACKAGES = {"flashinfer": "the flashinfer package (pip install flashinfer-python==0.5.3)",
-             "triton": "the triton package", "deep_gemm": "the deep_gemm package"}
+             "triton": "the triton package",
+             "deep_gemm": f"the deep_gemm package (pip install 'pdserve[gpu]' installs {deep_gemm_ops.PINNED})"}
 
 
 def _has_cuda(device: torch.device | str) -> bool:
@@ -39,9 +41,15 @@ def _lacks(kind: str, name: str, device: torch.device | str) -> tuple[bool, bool
     return needs_gpu and not _has_cuda(device), not has_package
 
 
+def _fails_here(name: str) -> str | None:
+    """Why an installed backend with its GPU still cannot run (deep_gemm: wrong torch build, pre-Hopper GPU), or
+    None. Only asked once the package and the GPU are there."""
+    return deep_gemm_ops.unusable_reason() if name == "deep_gemm" else None
+
+
 def available_backends(kind: str, device: torch.device | str) -> list[str]:
     """Registered backends of `kind` ("attention", "moe", "gemm") that can run on `device`, sorted."""
-    return [n for n in REGISTRIES[kind].names() if not any(_lacks(kind, n, device))]
+    return [n for n in REGISTRIES[kind].names() if not any(_lacks(kind, n, device)) and _fails_here(n) is None]
 
 
 def available_attention_backends(device: torch.device | str) -> list[str]:
@@ -69,11 +77,15 @@ def validate_backend(kind: str, name: str, device: torch.device | str) -> None:
     if no_gpu:
         raise ValueError(f"{flag} needs a CUDA GPU; the device is {where}"
                          + ("" if torch.cuda.is_available() else " and this machine has no CUDA GPU"))
+    reason = _fails_here(name)
+    if reason is not None:
+        raise ValueError(f"{flag} cannot run here: {reason}")
 
 
-# Fastest first; the torch references always exist.
+# Fastest first; the torch references always exist. deep_gemm where its build runs here (H200, same run: see
+# benchmarks/results/h200/deep_gemm.md); scaled_mm: 86-92% of cuBLAS FP8 at M>=4096 on H100, triton 39-51%.
 PREFERENCE = {"attention": ("flashinfer", "triton", "torch"), "moe": ("deep_gemm", "triton", "torch"),
-              "gemm": ("scaled_mm", "triton", "torch")}  # scaled_mm: 86-92% of cuBLAS FP8 at M>=4096 on H100, triton 39-51%
+              "gemm": ("deep_gemm", "scaled_mm", "triton", "torch")}
 
 
 # Decoding under CUDA graphs: FlashInfer schedules on the host, so each graphed step re-plans before its replay,
@@ -94,11 +106,13 @@ def resolve_backend(kind: str, name: str, device: torch.device | str,
 
 
 def resolve_backends(attention: str, moe: str, device: torch.device | str,
-                     graphed_decode: bool = False) -> tuple[str, str, str]:
-    """The CLI's --attention-backend/--moe-backend; the dense GEMM follows the MoE choice (FP8 kernels travel
-    together), torch when MoE is torch. graphed_decode: the engine decodes under CUDA graphs (attention `auto`
-    then prefers our Triton MLA kernel, see GRAPHED_DECODE_ATTENTION)."""
+                     graphed_decode: bool = False, gemm: str = "auto") -> tuple[str, str, str]:
+    """The CLI's --attention-backend/--moe-backend (and --gemm-backend); a dense GEMM left at `auto` is torch when
+    MoE is torch (the reference path), else the fastest that runs here. graphed_decode: the engine decodes under
+    CUDA graphs (attention `auto` then prefers our Triton MLA kernel, see GRAPHED_DECODE_ATTENTION)."""
     moe_name = resolve_backend("moe", moe, device)
-    gemm = "torch" if moe_name == "torch" else resolve_backend("gemm", "auto", device)
+    if gemm == "auto" and moe_name == "torch":
+        gemm = "torch"
+    gemm = resolve_backend("gemm", gemm, device)
     preference = GRAPHED_DECODE_ATTENTION if graphed_decode and _has_cuda(device) else None
     return resolve_backend("attention", attention, device, preference), moe_name, gemm

@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .triton_grouped_gemm import check_contiguous_shapes
+from .grouped_contract import check_contiguous_shapes
 
 # Gluon is experimental and renames things: Triton 3.6 (the device's) has tma.async_copy_global_to_shared and
 # gl.thread_barrier; later releases (3.9 here) call them tma.async_load (same arguments) and gl.barrier.

@@ -1,6 +1,6 @@
 """DeepGEMM's prefill grouped GEMM contract in Triton: `m_grouped_fp8_gemm_nt_contiguous`, with TMA loads.
 
-Contract (as deep_gemm v2; see deep_gemm_moe.py): A (M, K) fp8 with 1x128 fp32 scales (M, K/128), B (G, N, K)
+Contract (as deep_gemm v2; see grouped_contract.py): A (M, K) fp8 with 1x128 fp32 scales (M, K/128), B (G, N, K)
 fp8 with 128x128 scales (G, N/128, K/128), d (M, N) bf16, m_indices (M,) int32 = each row's group, -1 on padding
 rows, which are left untouched. Every group's rows start on a multiple of `block_m` (DeepGEMM: 128; this kernel
 also takes 64, which pads less at ~128 rows per expert).
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm import FP8_DTYPE
+from .grouped_contract import check_contiguous_shapes
 from .triton_support import interpreter_requested, patch_interpreter_for_numpy2
 
 if interpreter_requested():
@@ -70,17 +70,6 @@ def _grouped_fp8_contiguous_kernel(a_desc, as_ptr, b_desc, bs_ptr, d_ptr, m_idx_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(d_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], acc.to(d_ptr.dtype.element_ty),
              mask=rows_ok[:, None])
-
-
-def check_contiguous_shapes(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m_indices: torch.Tensor,
-                            block_m: int) -> None:
-    """ValueError unless A (M, K), B (G, N, K), d (M, N), m_indices (M,) follow the contiguous layout in fp8."""
-    rows, k = a.shape
-    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
-        raise ValueError(f"m_grouped_fp8_gemm_nt_contiguous takes fp8 A and B, got {a.dtype} and {b.dtype}")
-    if b.shape[2] != k or rows % block_m or m_indices.shape != (rows,) or d.shape != (rows, b.shape[1]):
-        raise ValueError(f"shapes do not follow the contiguous layout: A {tuple(a.shape)}, B {tuple(b.shape)}, "
-                         f"d {tuple(d.shape)}, m_indices {tuple(m_indices.shape)}, block_m {block_m}")
 
 
 def default_contiguous_config(block_m: int) -> dict:

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .gemm import FP8_DTYPE, FP8_MAX, INV_FP8_MAX
+from .grouped_contract import contiguous_layout
 from .moe_align import AlignedTokens, align_tokens_layout, inverse_rows, row_experts
 from .moe_configs import get_config
 from .triton_fp8 import GROUP, per_token_group_quant
@@ -316,7 +317,6 @@ def _contiguous_experts(a, a_scale, topk_weights, w13, w2, w13_scale, w2_scale, 
     GEMM, the weighted combine. The gather and the bf16 round trip cost a pass over the activations each, which
     pays where the grouped GEMM is enough faster than the fused gate-up: the Gluon kernel at >= 16k tokens on the
     H100 (benchmarks/results/README.md, gpu_run24)."""
-    from .deep_gemm_moe import contiguous_layout
     from .triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
 
     rows_a, rows_s, m_indices = contiguous_layout(a, a_scale, aligned, top_k, align=aligned.block_m)

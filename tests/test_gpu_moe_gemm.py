@@ -1,8 +1,8 @@
-"""The Triton FP8 GEMM / MoE kernels (and torch's blockwise scaled_mm, and DeepGEMM where it works) against torch
+"""The Triton FP8 GEMM / MoE kernels (and torch's blockwise scaled_mm) against torch
 references at DeepSeek-V3 shapes, on a GPU: H=7168, I=2048, E=256 experts, top-8 grouped routing; the dense
 projections q_a_proj 7168->1536, kv_b_proj 512->32768, o_proj 16384->7168, plus K/128 = 5 and a ragged N.
 bf16 outputs against fp32/fp64 references computed from the same quantized activations; then a CUDA-graph
-capture and replay of routing + fused MoE at T=16.
+capture and replay of routing + fused MoE at T=16. DeepGEMM's backends: test_gpu_deep_gemm.py.
 """
 
 from __future__ import annotations
@@ -200,13 +200,13 @@ GLUON_ONLY = pytest.mark.skipif(not torch.cuda.is_available() or _hopper_gluon()
 def test_contiguous_grouped_gemm_v3(fp8_experts, tokens, block_m, cfg):
     """triton_grouped_gemm (TMA loads) and gluon_grouped_gemm (promotion under the next wgmma) against DeepGEMM's
     contract in torch, both V3 GEMMs, padding rows untouched."""
-    from pdserve.kernels import deep_gemm_moe, triton_grouped_gemm
+    from pdserve.kernels import grouped_contract, triton_grouped_gemm
 
     w13, w2, s13, s2 = fp8_experts
     _, ids = v3_routing(tokens, 5)
     xq, xs = triton_fp8.per_token_group_quant(torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16))
     aligned = moe_align.align_tokens_layout(ids, E, block_m)
-    a, sa, m_indices = deep_gemm_moe.contiguous_layout(xq, xs, aligned, TOP_K, align=block_m)
+    a, sa, m_indices = grouped_contract.contiguous_layout(xq, xs, aligned, TOP_K, align=block_m)
     pad = m_indices < 0
     for w, ws in ((w13, s13), (w2, s2)):
         k = w.shape[2]
@@ -214,7 +214,7 @@ def test_contiguous_grouped_gemm_v3(fp8_experts, tokens, block_m, cfg):
         d = torch.full((a.shape[0], w.shape[1]), float("nan"), device=DEV, dtype=torch.bfloat16)
         triton_grouped_gemm.m_grouped_fp8_gemm_nt_contiguous(lhs, (w, ws), d, m_indices, block_m, cfg)
         ref = torch.zeros(d.shape, device=DEV)
-        deep_gemm_moe.contiguous_grouped_reference(lhs, (w, ws), ref, m_indices, block_m)
+        grouped_contract.contiguous_grouped_reference(lhs, (w, ws), ref, m_indices, block_m)
         err = rel_err(d[~pad], ref[~pad])
         print(f"contiguous T={tokens} block_m={block_m} {cfg} N={w.shape[1]} K={k}: {err:.2e}")
         assert d[pad].isnan().all() and err < 1e-2
@@ -250,7 +250,7 @@ def test_fused_moe_fp8_v3_both_gemms_contiguous(fp8_experts, tokens, block_m, ge
 @pytest.mark.parametrize("unroll", [1, 2, 3])
 def test_gluon_contiguous_grouped_gemm_ragged(k, unroll):
     """Short and ragged K (TMA zero-fills past K), K steps not a multiple of the unroll, empty groups, padding."""
-    from pdserve.kernels import deep_gemm_moe, triton_grouped_gemm
+    from pdserve.kernels import grouped_contract, triton_grouped_gemm
 
     gen = torch.Generator(DEV).manual_seed(k + unroll)
     groups, n, block_m = 5, 256, 64
@@ -267,7 +267,7 @@ def test_gluon_contiguous_grouped_gemm_ragged(k, unroll):
     d = torch.full((rows, n), float("nan"), device=DEV, dtype=torch.bfloat16)
     triton_grouped_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, m_indices, block_m, cfg)
     ref = torch.zeros(d.shape, device=DEV)
-    deep_gemm_moe.contiguous_grouped_reference((a, sa), (b, sb), ref, m_indices, block_m)
+    grouped_contract.contiguous_grouped_reference((a, sa), (b, sb), ref, m_indices, block_m)
     pad = m_indices < 0
     err = rel_err(d[~pad], ref[~pad])
     print(f"gluon ragged K={k} unroll={unroll}: {err:.2e}")
@@ -286,17 +286,6 @@ def test_fused_moe_bf16_v3(tokens):
     err = rel_err(out, ref)
     print(f"bf16 MoE T={tokens}: {err:.2e}")
     assert err < 1e-2
-
-
-@pytest.mark.skipif("deep_gemm" not in MOE_BACKENDS, reason="deep_gemm is not installed or does not work here")
-@pytest.mark.parametrize("tokens", [16, 4096])
-def test_deep_gemm_moe_v3(fp8_experts, tokens):
-    w13, w2, s13, s2 = fp8_experts
-    weights, ids = v3_routing(tokens, 7)
-    x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16)
-    out = MOE_BACKENDS.get("deep_gemm")().experts(x, weights, ids, w13, w2, s13, s2, (128, 128))
-    ref = moe_reference(x, weights, ids, w13, w2, s13, s2, quantize_activations=True)
-    assert rel_err(out, ref) < 4e-2
 
 
 def test_cuda_graph_replay_of_routing_and_fused_moe(fp8_experts):
