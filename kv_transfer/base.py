@@ -24,6 +24,7 @@ import torch
 
 from pdserve.common.registry import Registry
 from pdserve.common.values import KVLayout  # noqa: F401  (part of the transfer contract)
+from pdserve.kv_cache import page_runs, token_slots  # noqa: F401  (the pool's page arithmetic, for the transports)
 
 ERROR_KINDS = frozenset({"incompatible", "unauthenticated", "unreachable", "timeout", "aborted", "peer_failed",
                          "protocol"})
@@ -113,36 +114,14 @@ class TransferStatus:
         return f"TransferStatus({self.state.name}{err})"
 
 
-def page_runs(
-    src_pages: Sequence[int], dst_pages: Sequence[int], num_tokens: int, page_size: int
-) -> list[tuple[int, int, int]]:
-    """Coalesce two page tables into `(src_first_slot, dst_first_slot, num_slots)` runs that are contiguous on
-    both sides and cover token positions `[0, num_tokens)` exactly, in token order (the last run may end inside
-    a page). One run = one memcpy / RDMA write."""
-    if page_size <= 0 or num_tokens < 0:
-        raise ValueError(f"page_size={page_size} must be positive and num_tokens={num_tokens} non-negative")
-    need = -(-num_tokens // page_size)
-    if len(src_pages) < need or len(dst_pages) < need:
-        raise ValueError(f"{num_tokens} tokens need {need} pages of {page_size}; got {len(src_pages)} source "
-                         f"and {len(dst_pages)} destination pages")
-    runs: list[tuple[int, int, int]] = []
-    for i in range(need):
-        n = min(page_size, num_tokens - i * page_size)
-        src, dst = src_pages[i] * page_size, dst_pages[i] * page_size
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
-        else:
-            runs.append((src, dst, n))
-    return runs
-
-
-def token_slots(pages: Sequence[int], num_tokens: int, page_size: int) -> torch.Tensor:
-    """Flat slot ids `(num_tokens,)` of positions `0 .. num_tokens-1` of a sequence with page table `pages`."""
-    if len(pages) * page_size < num_tokens:
-        raise ValueError(f"{len(pages)} pages of {page_size} cannot hold {num_tokens} tokens")
-    table = torch.tensor(list(pages), dtype=torch.long)  # (num_pages,)
-    pos = torch.arange(num_tokens, dtype=torch.long)  # (num_tokens,)
-    return table[pos // page_size] * page_size + pos % page_size
+def gather_rows(source: torch.Tensor, slots: torch.Tensor | None, device: torch.device | str) -> torch.Tensor:
+    """A new contiguous `(num_tokens, kv_dim)` tensor on `device` holding `source[slots]` (or `source` itself
+    without slots): the one copy a layer's rows take out of the pool (followed by the move to the host when rows on
+    a GPU leave through the host)."""
+    if slots is None:
+        return source.detach().to(device, copy=True, memory_format=torch.contiguous_format)
+    rows = source.detach().index_select(0, slots.to(source.device))  # (num_tokens, kv_dim): a new tensor
+    return rows.to(device)  # no copy when the pool is already there
 
 
 @dataclass(frozen=True)
@@ -164,9 +143,15 @@ class SendHandle(ABC):
     status: TransferStatus
 
     @abstractmethod
+    def send_rows(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Queue the prompt's latent rows of `layer`: `source[slots]` in token order, where `source` is the pool's
+        layer `(num_slots, kv_dim)` and `slots` `(num_tokens,)` the prompt's slots (`pdserve.kv_cache.token_slots`);
+        without slots, `source` is the rows themselves `(num_tokens, kv_dim)`. The transport gathers them exactly
+        once, into memory it owns, before this returns: the caller may reuse or free the source pages right away."""
+
     def send_layer(self, layer: int, values: torch.Tensor) -> None:
-        """Queue `values: (num_tokens, kv_dim)` (the prompt's latent rows of `layer` in token order). The tensor
-        is copied before this returns, so the caller may reuse or free its source pages right away."""
+        """Queue `values: (num_tokens, kv_dim)`, the rows themselves (see `send_rows`)."""
+        self.send_rows(layer, values)
 
     @abstractmethod
     def finish(self, aux: dict[str, Any]) -> None:

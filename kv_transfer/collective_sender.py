@@ -1,7 +1,7 @@
 """Prefill side of the collective KV transports: the TCP sender's control connection (HELLO, AUX, ABORT,
 ROOM_DONE/ROOM_FAILED, deadlines) plus one process group per decode endpoint that carries the rows.
 
-Per layer, `send_layer` copies the rows on the caller's stream and records an event after the copy (NCCL); the
+Per layer, `send_rows` gathers the rows on the caller's stream and records an event after the copy (NCCL); the
 connection's writer thread then writes the LAYER announcement, which lists how many rows each op carries, and
 right after it posts those sends on the pair's stream behind that event. One thread does both, in queue order,
 so the op streams of interleaved rooms match the announcements the decode worker reads, in the same order.
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .base import KVLayout, KVTransferError, page_runs
+from .base import KVLayout, KVTransferError, gather_rows, page_runs
 from .collective_pair import BACKENDS, PREFILL_RANK, ProcessGroupPair
 from .tcp_sender import TcpKVSender, TcpSendHandle, _Connection
 from .wire import LAYER, ProtocolError, parse_endpoint
@@ -42,21 +42,22 @@ class CollectiveSendHandle(TcpSendHandle):
         super().__init__(conn, room, num_layers, layout, timeout_s)
         self._dst_pages = list(dst_pages)
 
-    def _check_layer(self, layer: int, values: torch.Tensor) -> None:
-        super()._check_layer(layer, values)
-        if values.device != self._conn.pair.device:
-            raise ValueError(f"room {self.room}: values are on {values.device}, this {self._conn.pair.backend.name} "
+    def _check_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> int:
+        n = super()._check_layer(layer, source, slots)
+        if source.device != self._conn.pair.device:
+            raise ValueError(f"room {self.room}: values are on {source.device}, this {self._conn.pair.backend.name} "
                              f"sender moves rows on {self._conn.pair.device}")
-        need = -(-values.shape[0] // self.layout.page_size)
+        need = -(-n // self.layout.page_size)
         if len(self._dst_pages) < need:
-            raise ValueError(f"room {self.room}: {values.shape[0]} tokens need {need} destination pages, "
+            raise ValueError(f"room {self.room}: {n} tokens need {need} destination pages, "
                              f"begin() was given {len(self._dst_pages)}")
+        return n
 
-    def _queue_layer(self, layer: int, values: torch.Tensor) -> None:
-        n = values.shape[0]
-        # NOTE: copied on the caller's stream, so the caller may overwrite or free its source right away; the
-        # event after the copy is what the sends wait for, so the forward's next layers are not held up.
-        rows = values.detach().clone(memory_format=torch.contiguous_format)  # (num_tokens, kv_dim)
+    def _queue_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> None:
+        # NOTE: gathered on the caller's stream, so the caller may overwrite or free its source right away; the
+        # event after the gather is what the sends wait for, so the forward's next layers are not held up.
+        rows = gather_rows(source, slots, source.device)  # (num_tokens, kv_dim)
+        n = rows.shape[0]
         ready = self._conn.pair.ready_event()
         runs = page_runs(range(-(-n // self.layout.page_size)), self._dst_pages, n, self.layout.page_size)
         chunks = [rows[src:src + count] for src, _, count in runs]  # contiguous views, token order

@@ -17,7 +17,7 @@ import torch
 
 from .base import (
     ERROR_KINDS, KVLayout, KVSender, KVTransferError, SendHandle, TransferState, TransferStats, TransferStatus,
-    dtype_name,
+    dtype_name, gather_rows,
 )
 from .wire import (
     ABORT, AUX, HELLO, HELLO_ERROR, HELLO_OK, LAYER, ROOM_DONE, ROOM_FAILED, VERSION, ProtocolError,
@@ -143,32 +143,36 @@ class TcpSendHandle(SendHandle):
         self._t_end: float | None = None
         self._deadline = self._t0 + timeout_s
 
-    def send_layer(self, layer: int, values: torch.Tensor) -> None:
-        self._check_layer(layer, values)
-        self._num_tokens = values.shape[0]
+    def send_rows(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        num_tokens = self._check_layer(layer, source, slots)
+        self._num_tokens = num_tokens
         self._layers.add(layer)
         if self.status.state == TransferState.FAILED:
             return
-        self._queue_layer(layer, values)
+        self._queue_layer(layer, source, slots)
 
-    def _check_layer(self, layer: int, values: torch.Tensor) -> None:
-        """Argument mistakes raise ValueError before anything is queued."""
+    def _check_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> int:
+        """Argument mistakes raise ValueError before anything is queued; returns the layer's token count."""
         if self._finished:
             raise ValueError(f"room {self.room}: send_layer({layer}) after finish()")
         if not 0 <= layer < self.num_layers or layer in self._layers:
             raise ValueError(f"room {self.room}: layer {layer} is out of range [0, {self.num_layers}) or repeated")
-        if values.dim() != 2 or values.shape[1] != self.layout.kv_dim or values.shape[0] == 0:
-            raise ValueError(f"room {self.room}: values of shape {tuple(values.shape)}, expected "
+        num_tokens = source.shape[0] if slots is None else slots.numel()
+        if source.dim() != 2 or source.shape[1] != self.layout.kv_dim or num_tokens == 0:
+            raise ValueError(f"room {self.room}: values of shape {tuple(source.shape)}, expected "
                              f"(num_tokens > 0, kv_dim={self.layout.kv_dim})")
-        if values.dtype != self.layout.torch_dtype:
-            raise ValueError(f"room {self.room}: values are {values.dtype}, the layout says {self.layout.dtype}")
-        if self._num_tokens is not None and values.shape[0] != self._num_tokens:
-            raise ValueError(f"room {self.room}: layer {layer} has {values.shape[0]} tokens, earlier layers "
+        if slots is not None and slots.dim() != 1:
+            raise ValueError(f"room {self.room}: slots of shape {tuple(slots.shape)}, expected (num_tokens,)")
+        if source.dtype != self.layout.torch_dtype:
+            raise ValueError(f"room {self.room}: values are {source.dtype}, the layout says {self.layout.dtype}")
+        if self._num_tokens is not None and num_tokens != self._num_tokens:
+            raise ValueError(f"room {self.room}: layer {layer} has {num_tokens} tokens, earlier layers "
                              f"{self._num_tokens}")
+        return num_tokens
 
-    def _queue_layer(self, layer: int, values: torch.Tensor) -> None:
-        # NOTE: copied here, so the caller may overwrite or free the source pages as soon as this returns.
-        rows = values.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)  # (num_tokens, kv_dim)
+    def _queue_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> None:
+        # NOTE: gathered here, so the caller may overwrite or free the source pages as soon as this returns.
+        rows = gather_rows(source, slots, "cpu")  # (num_tokens, kv_dim)
         self._conn.put(self, LAYER, {"layer": layer, "num_tokens": self._num_tokens}, tensor_bytes(rows))
 
     def finish(self, aux: dict[str, Any]) -> None:

@@ -43,6 +43,26 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # NextN drafting for decode rows
 
 
+class StepHooks:
+    """What a tier plugs into `LLMEngine.step` instead of writing its own step (the prefill worker ships KV here).
+
+    Called on the engine's thread, in this order within a step that completes prompts (runs their final chunk):
+    `on_layer_done` after each main-model layer of the forward has written their KV, then `on_prefilled` once their
+    first tokens are sampled (before they are appended, so `num_tokens - 1` is still the last prompt position).
+    """
+
+    # The MTP layer's prompt KV is computed in every prefill step (speculation does that anyway; a prefill worker
+    # also needs it without speculating, to ship it).
+    computes_mtp_kv: bool = False
+
+    def on_layer_done(self, prompts: list[Request], layer: int) -> None:
+        """Layer `layer` holds the KV of every position of `prompts` (written by this forward or cached)."""
+
+    def on_prefilled(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
+        """`prompts` got their first tokens; hidden `(len(prompts), hidden_size)`: the last prompt position's
+        hidden state before the final norm (what NextN drafts from)."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -57,8 +77,10 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: Optional[Callable[[str], None]] = None,
-                 model_config: Optional[ModelConfig] = None, spec_observer: Optional[SpecObserver] = None):
-        """spec_observer is told the accepted lengths and draft/verify times of every speculative round."""
+                 model_config: Optional[ModelConfig] = None, spec_observer: Optional[SpecObserver] = None,
+                 hooks: Optional[StepHooks] = None):
+        """spec_observer is told the accepted lengths and draft/verify times of every speculative round; hooks
+        (settable later as `engine.hooks`) are what a tier runs inside each step."""
         self.config = config
         self.model_config = model_config or ModelConfig.from_model_dir(config.model_dir)
         cfg = self.model_config
@@ -86,6 +108,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, config.device, *graphs)
         self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
         self.spec_observer = spec_observer
+        self.hooks = hooks or StepHooks()
         self.sampler = Sampler()
         self.eos_token_ids = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self._ids = itertools.count()
@@ -119,15 +142,16 @@ class LLMEngine:
                                   chain_steps=spec.num_steps - 1, chain_batch_sizes=tuple(base)))
 
     # ---- requests ----------------------------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
-                    request_id: Optional[str] = None) -> str:
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: Optional[str] = None,
+                    arrival_time: Optional[float] = None, detokenize: bool = True) -> str:
+        """detokenize=False: outputs carry no text (a prefill worker's first token is only shipped)."""
         ids = self.encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, arrival_time=time.monotonic(),
+        req = Request(request_id, ids, params, arrival_time=arrival_time or time.monotonic(),
                       generator=make_generator(params.seed, self.config.device))
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer and detokenize else None
         stop = StopChecker(params, () if params.ignore_eos else self.eos_token_ids, detok)
         self.scheduler.add(req)
         self._requests[request_id], self._stops[request_id] = req, stop
@@ -195,13 +219,20 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        forward = self.runner.execute(scheduled)
-        if self.speculator is not None and scheduled.prefill:
+        hooks = self.hooks
+        prompts = [c.request for c in scheduled.prefill if c.samples]  # prompts this step completes
+        layer_done = (lambda layer: hooks.on_layer_done(prompts, layer)) if prompts else None
+        forward = self.runner.execute(scheduled, layer_done=layer_done)
+        if scheduled.prefill and (self.speculator is not None or hooks.computes_mtp_kv):
             self.runner.mtp_extend(scheduled.prefill, forward.extend_hidden)  # the MTP layer's prompt KV
         tokens = []
         if forward.requests:  # a step may only advance prompt chunks
             tokens = self.sampler.sample(forward.logits, [r.params for r in forward.requests],
                                          [r.generator for r in forward.requests]).tolist()
+        if prompts:
+            completed = set(map(id, prompts))
+            rows = [i for i, r in enumerate(forward.requests) if id(r) in completed]  # prompts, in sampling order
+            hooks.on_prefilled([forward.requests[i] for i in rows], [tokens[i] for i in rows], forward.hidden[rows])
         verified, stats = [], None
         if scheduled.spec_decode:
             verified, stats = self.speculator.propose_and_verify(scheduled.spec_decode)
@@ -256,4 +287,4 @@ class LLMEngine:
         return self.pool.allocator.num_used - self.prefix_cache.num_cache_only_pages
 
 
-__all__ = ["LLMEngine", "EngineConfig", "RequestOutput"]
+__all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "StepHooks"]

@@ -17,6 +17,42 @@ from typing import Sequence
 import torch
 
 
+def token_slots(pages: Sequence[int], end: int, page_size: int, start: int = 0,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """Flat slot ids `(end - start,)` of token positions `start .. end-1` of a sequence with page table `pages`.
+
+    The one place positions become slots: position p lives in slot `pages[p // page_size] * page_size + p % page_size`.
+    """
+    if not 0 <= start <= end <= len(pages) * page_size:
+        raise ValueError(f"token range [{start}, {end}) does not fit {len(pages)} pages of {page_size}")
+    table = torch.tensor(list(pages), dtype=torch.long, device=device)  # (num_pages_of_seq,)
+    pos = torch.arange(start, end, dtype=torch.long, device=device)  # (n,)
+    return table[pos // page_size] * page_size + pos % page_size  # (n,)
+
+
+def page_runs(
+    src_pages: Sequence[int], dst_pages: Sequence[int], num_tokens: int, page_size: int
+) -> list[tuple[int, int, int]]:
+    """Coalesce two page tables into `(src_first_slot, dst_first_slot, num_slots)` runs that are contiguous on
+    both sides and cover token positions `[0, num_tokens)` exactly, in token order (the last run may end inside
+    a page). One run = one memcpy / RDMA write."""
+    if page_size <= 0 or num_tokens < 0:
+        raise ValueError(f"page_size={page_size} must be positive and num_tokens={num_tokens} non-negative")
+    need = -(-num_tokens // page_size)
+    if len(src_pages) < need or len(dst_pages) < need:
+        raise ValueError(f"{num_tokens} tokens need {need} pages of {page_size}; got {len(src_pages)} source "
+                         f"and {len(dst_pages)} destination pages")
+    runs: list[tuple[int, int, int]] = []
+    for i in range(need):
+        n = min(page_size, num_tokens - i * page_size)
+        src, dst = src_pages[i] * page_size, dst_pages[i] * page_size
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((src, dst, n))
+    return runs
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16  # tokens per page
@@ -132,11 +168,7 @@ class LatentKVPool:
 
     def slots_for(self, pages: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Flat slot ids `(end - start,)` of token positions `start .. end-1` of a sequence with page table `pages`."""
-        if not 0 <= start <= end <= len(pages) * self.page_size:
-            raise ValueError(f"token range [{start}, {end}) does not fit {len(pages)} pages of {self.page_size}")
-        table = torch.tensor(list(pages), dtype=torch.long, device=self.device)  # (num_pages_of_seq,)
-        pos = torch.arange(start, end, dtype=torch.long, device=self.device)  # (n,)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size  # (n,)
+        return token_slots(pages, end, self.page_size, start, self.device)
 
     def layer(self, layer: int) -> torch.Tensor:
         """View `(num_slots, kv_dim)` of one layer's cache; writes through it land in the pool."""

@@ -1,6 +1,9 @@
 """The prefill tier's engine: computes prompts (chunked, reusing its prefix cache), samples the first token, and
 streams the latent KV of every layer to the decode worker that reserved pages for it.
 
+It runs the single-process engine's own step (`LLMEngine.step`) and plugs into it through `StepHooks`: every prompt
+is a request that ends after its first token, and the hooks ship its KV and its aux record.
+
 Layer-wise streaming: when a step holds a prompt's final chunk, each layer's KV rows for the whole prompt are
 handed to the sender as soon as that layer's forward has written them, so the transfer overlaps the remaining
 layers (`layerwise=False` sends them all after the forward instead, to compare). The NextN/MTP layer's KV follows
@@ -15,12 +18,12 @@ from typing import Callable, Optional
 
 import torch
 
-from pdserve.engine import LLMEngine
-from pdserve.serving.grpc_shell import exhausted
-from pdserve.kv_transfer import KVSender
 from pdserve.common.blocks import block_hashes
-from pdserve.request import FinishReason, Request
-from pdserve.sampling import SamplingParams, make_generator
+from pdserve.engine import LLMEngine, StepHooks
+from pdserve.kv_transfer import KVSender, SendHandle
+from pdserve.request import Request
+from pdserve.sampling import SamplingParams
+from pdserve.serving.grpc_shell import exhausted
 
 
 @dataclass
@@ -28,7 +31,7 @@ class PrefillJob:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    room: int
+    room: int  # the decode worker's transfer id, named in every frame sent for this request
     kv_endpoint: str
     dst_pages: list[int]
     arrival_time: float = field(default_factory=time.monotonic)
@@ -39,12 +42,12 @@ class PrefillResult:
     request_id: str
     first_token_id: int
     cached_tokens: int
-    handle: object  # the transfer's SendHandle: wait() for completion off the engine thread
+    handle: SendHandle  # wait() for the transfer's completion off the engine thread
     ttft_s: float
 
 
-class PrefillEngine:
-    """Wraps an LLMEngine's scheduler and runner; every request ends after its first token."""
+class PrefillEngine(StepHooks):
+    """Prompts through an LLMEngine's step; each request ends after its first token, its KV shipped."""
 
     def __init__(self, core: LLMEngine, sender: KVSender,
                  on_blocks: Optional[Callable[[list[bytes]], None]] = None, max_queued: int = 256,
@@ -52,92 +55,84 @@ class PrefillEngine:
         self.core, self.sender = core, sender
         self.layerwise = layerwise
         self.max_queued = max_queued  # prompts waiting for compute; a bounded queue answers "full" at once
-        self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
+        self.pool, self.scheduler = core.pool, core.scheduler
         self.num_main_layers = core.model_config.num_hidden_layers
-        self.ships_mtp = core.model.has_mtp_weights  # else the decode side gets no MTP layer (no speculation)
-        self.num_layers_sent = self.num_main_layers + (core.model_config.num_nextn_predict_layers if self.ships_mtp
-                                                       else 0)
+        self.computes_mtp_kv = core.model.has_mtp_weights  # else the decode side gets no MTP layer (no speculation)
+        self.num_layers_sent = self.num_main_layers + (core.model_config.num_nextn_predict_layers
+                                                       if self.computes_mtp_kv else 0)
         self.on_blocks = on_blocks  # told the block hashes this worker now holds (ownership publishing)
-        self._jobs: dict[str, tuple[PrefillJob, object]] = {}
+        self._jobs: dict[str, tuple[PrefillJob, SendHandle]] = {}
+        self._slots: dict[str, torch.Tensor] = {}  # the step's prompts' slots, computed once for all their layers
+        core.hooks = self
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.core.has_unfinished
 
-    def add(self, job: PrefillJob, handle) -> None:
+    def add(self, job: PrefillJob, handle: SendHandle) -> None:
         if job.request_id in self._jobs:
             raise ValueError(f"request_id {job.request_id!r} is already being prefilled")
         if len(self.scheduler.waiting) >= self.max_queued:
             raise exhausted(f"this prefill worker's queue is full ({self.max_queued} prompts waiting, "
                             "--max-queued-requests); retry later or add prefill workers")
-        p = job.params
-        # The first token is drawn exactly as the single-process engine would draw it; the generator state then
-        # travels with the KV so decode continues the same random stream.
-        req = Request(job.request_id, job.prompt_ids,
-                      SamplingParams(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                     seed=p.seed, ignore_eos=True),
-                      arrival_time=job.arrival_time, generator=make_generator(p.seed, self.core.config.device))
         needed = -(-len(job.prompt_ids) // self.pool.page_size)
         if len(job.dst_pages) < needed:
             raise ValueError(f"decode reserved {len(job.dst_pages)} pages but the prompt needs {needed}")
-        self.scheduler.add(req)
+        p = job.params
+        # The first token is drawn exactly as the single-process engine would draw it; the generator state then
+        # travels with the KV so decode continues the same random stream.
+        first_only = SamplingParams(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                    seed=p.seed, ignore_eos=True)
+        self.core.add_request(job.prompt_ids, first_only, job.request_id, arrival_time=job.arrival_time,
+                              detokenize=False)
         self._jobs[job.request_id] = (job, handle)
 
     def abort(self, request_id: str) -> bool:
         entry = self._jobs.pop(request_id, None)
         if entry is None:
             return False
-        self.scheduler.abort(request_id)
+        self.core.abort(request_id)
         entry[1].abort()
         return True
 
     def step(self) -> list[PrefillResult]:
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        final = [c for c in out.prefill if c.samples]
-        slots = {c.request.request_id: self.pool.slots_for(c.request.pages, 0, c.request.num_tokens) for c in final}
-
-        def send_layer(layer: int) -> None:
-            for c in final:
-                # index_select copies, so the sender owns its rows while the pool moves on.
-                self._handle(c.request).send_layer(layer, self.pool.kv[layer].index_select(0, slots[c.request.request_id]))
-
-        forward = self.runner.execute(out, layer_done=send_layer if final and self.layerwise else None)
-        if final and not self.layerwise:
-            for layer in range(self.num_main_layers):
-                send_layer(layer)
-        if self.ships_mtp:
-            self.runner.mtp_extend(out.prefill, forward.extend_hidden)
         results = []
-        if forward.requests:
-            tokens = self.core.sampler.sample(forward.logits, [r.params for r in forward.requests],
-                                              [r.generator for r in forward.requests]).tolist()
-            if self.ships_mtp:
-                self.runner.mtp_decode(forward.requests, tokens, forward.hidden)
-                for req in forward.requests:
-                    for j in range(self.num_layers_sent - self.num_main_layers):
-                        layer = self.num_main_layers + j
-                        self._handle(req).send_layer(layer, self.pool.kv[layer].index_select(0, slots[req.request_id]))
-            self.scheduler.update(out)
-            now = time.monotonic()
-            for req, tok, hidden in zip(forward.requests, tokens, forward.hidden):
-                job, handle = self._jobs.pop(req.request_id)
-                handle.finish({"first_token_id": tok, "cached_tokens": req.num_cached_tokens,
-                               "hidden": hidden.detach().to("cpu", torch.float32).clone(),
-                               "rng_state": _rng_state(req.generator)})
-                req.output_ids.append(tok)
-                self.scheduler.finish(req, FinishReason.LENGTH)
-                if self.on_blocks is not None:
-                    self.on_blocks(block_hashes(req.prompt_ids, self.pool.page_size))
-                results.append(PrefillResult(req.request_id, tok, req.num_cached_tokens, handle,
-                                             now - job.arrival_time))
-        else:
-            self.scheduler.update(out)
+        for out in self.core.step():  # the hooks below shipped each finished prompt's KV and aux record
+            assert out.finished, "a prefill request ends with its first token"
+            job, handle = self._jobs.pop(out.request_id)
+            if self.on_blocks is not None:
+                self.on_blocks(block_hashes(job.prompt_ids, self.pool.page_size))
+            results.append(PrefillResult(out.request_id, out.output_ids[0], out.cached_tokens, handle,
+                                         time.monotonic() - job.arrival_time))
         return results
 
-    def _handle(self, req: Request):
-        return self._jobs[req.request_id][1]
+    # ---- StepHooks: called inside LLMEngine.step -------------------------------------------------------------------
+    def on_layer_done(self, prompts: list[Request], layer: int) -> None:
+        if self.layerwise:
+            self._ship(prompts, layer)
+
+    def on_prefilled(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
+        if not self.layerwise:
+            for layer in range(self.num_main_layers):
+                self._ship(prompts, layer)
+        if self.computes_mtp_kv:  # the MTP layer's KV at the last prompt position needs the first token
+            self.core.runner.mtp_decode(prompts, first_tokens, hidden)
+            for layer in range(self.num_main_layers, self.num_layers_sent):
+                self._ship(prompts, layer)
+        for req, tok, h in zip(prompts, first_tokens, hidden):
+            self._jobs[req.request_id][1].finish({
+                "first_token_id": tok, "cached_tokens": req.num_cached_tokens,
+                "hidden": h.detach().to("cpu", torch.float32).clone(), "rng_state": _rng_state(req.generator)})
+        self._slots.clear()
+
+    def _ship(self, prompts: list[Request], layer: int) -> None:
+        """Hand the transport the pool's layer and each prompt's slots: it gathers the rows once, into memory it
+        owns, so the pool may move on at once."""
+        for req in prompts:
+            slots = self._slots.get(req.request_id)
+            if slots is None:
+                slots = self._slots[req.request_id] = self.pool.slots_for(req.pages, 0, req.num_prompt_tokens)
+            self._jobs[req.request_id][1].send_rows(layer, self.pool.kv[layer], slots)  # slots: (prompt tokens,)
 
 
 def _rng_state(gen: Optional[torch.Generator]) -> bytes:

@@ -17,9 +17,9 @@ class RecordingHandle:
     def __init__(self, events):
         self.events, self.layers, self.aux = events, {}, None
 
-    def send_layer(self, layer, values):
+    def send_rows(self, layer, source, slots=None):
         self.events.append(f"send {layer}")
-        self.layers[layer] = values.clone()
+        self.layers[layer] = (source if slots is None else source[slots]).clone()
 
     def finish(self, aux):
         self.events.append("finish")
