@@ -258,7 +258,6 @@ class LLMEngine:
         reason = update.finish_reason
         if reason is None and req.num_tokens >= self.scheduler.config.max_model_len:
             reason = FinishReason.LENGTH.value  # the context is full
-        req.output_text += update.text
         if reason is not None:
             self.scheduler.finish(req, FinishReason(reason))
             self._requests.pop(req.request_id)

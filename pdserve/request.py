@@ -35,10 +35,6 @@ class Request:
     num_preemptions: int = 0
     generator: Any = None  # torch.Generator for seeded sampling (kept opaque: the scheduler never touches torch)
     spec: Any = None  # speculative decoding's draft state (spec_decode.DraftState); cleared when KV is dropped
-    # Text state, owned by the engine's output processing.
-    output_text: str = ""
-    detokenizer: Any = None
-    stop_matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

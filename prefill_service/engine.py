@@ -31,9 +31,7 @@ class PrefillJob:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    room: int  # the decode worker's transfer id, named in every frame sent for this request
-    kv_endpoint: str
-    dst_pages: list[int]
+    dst_pages: list[int]  # the decode worker's reserved pages (the prompt must fit them)
     arrival_time: float = field(default_factory=time.monotonic)
 
 

@@ -131,8 +131,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             if mismatch:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"this prefill worker cannot send KV to that decode worker: {mismatch}")
-            job = PrefillJob(rid, list(request.input_ids), params, request.room, request.kv_endpoint,
-                             list(request.dst_pages))
+            job = PrefillJob(rid, list(request.input_ids), params, list(request.dst_pages))
             # Connecting (and the layout handshake) happens here, before any compute is spent.
             handle = await asyncio.to_thread(w.sender.begin, request.kv_endpoint, request.room,
                                              w.layout.num_kv_layers, job.dst_pages)

@@ -38,8 +38,7 @@ def test_layers_stream_during_the_forward(tiny_v3_dir):
     engine = PrefillEngine(core, sender=None)
     prompt = core.encode("The router sends each request to a prefill worker")  # > 6 tokens: several chunks
     handle = RecordingHandle(events)
-    engine.add(PrefillJob("r1", prompt, SamplingParams(max_new_tokens=4), room=1, kv_endpoint="x:1",
-                          dst_pages=list(range(16))), handle)
+    engine.add(PrefillJob("r1", prompt, SamplingParams(max_new_tokens=4), dst_pages=list(range(16))), handle)
     results = []
     while engine.has_work:
         results += engine.step()
