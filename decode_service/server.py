@@ -23,6 +23,7 @@ from pdserve.serving.rpc_convert import finish_to_proto, layout_to_proto, sampli
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
 from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info
 
 from .engine import DecodeEngine
@@ -42,6 +43,8 @@ class DecodeWorkerConfig:
     max_queued_requests: int = 256  # reserved requests waiting for their KV; beyond: RESOURCE_EXHAUSTED at once
     drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     security: SecurityConfig = SecurityConfig()
+    warmup: bool = True  # run the warm-up (pdserve/serving/warmup.py) before the port opens
+    test_hook_slow_first_forward_s: float = 0.0  # TEST HOOK: the first forward sleeps this long (a cold compile)
 
     def __post_init__(self) -> None:
         check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
@@ -62,6 +65,9 @@ class DecodeWorker:
                  core: Optional[LLMEngine] = None):
         self.config, self.identity, self.metrics = config, identity, metrics
         self.core = core or LLMEngine(config.engine)
+        if config.test_hook_slow_first_forward_s:
+            slow_first_forward(self.core, config.test_hook_slow_first_forward_s)
+        self.warmup_report: Optional[WarmupReport] = None
         self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)
         self.streams: dict[str, Stream] = {}  # request id -> stream, touched only on the event loop
         self.aio_loop: Optional[asyncio.AbstractEventLoop] = None
@@ -80,6 +86,7 @@ class DecodeWorker:
                                    max_queued=config.max_queued_requests)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
                                on_error=self._step_failed)
+        self.last_load = self.load()  # read here, before the engine thread starts
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.aio_loop = loop
@@ -187,7 +194,10 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
 
 
 async def serve_decode(worker: DecodeWorker, ready=None) -> None:
-    """Run the worker until SIGTERM/SIGINT, then drain: no new reservations, streams in flight finish."""
+    """Warm up, then run the worker until SIGTERM/SIGINT, then drain: no new reservations, streams in flight
+    finish. The port opens only after the warm-up: ready means ready."""
+    if worker.config.warmup:
+        worker.warmup_report = warm_up_worker(worker.core, "decode")
     sec = worker.config.security
     server, port = create_server(worker.config.host, worker.config.port,
                                  [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],

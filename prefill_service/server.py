@@ -22,6 +22,7 @@ from pdserve.serving.rpc_convert import layout_from_proto, layout_to_proto, samp
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
 from pdserve.serving.worker_common import Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info
 
 from .engine import PrefillEngine, PrefillJob
@@ -49,6 +50,8 @@ class PrefillWorkerConfig:
     max_queued_requests: int = 256  # prompts waiting for compute; beyond: RESOURCE_EXHAUSTED at once
     drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     security: SecurityConfig = SecurityConfig()
+    warmup: bool = True  # run the warm-up (pdserve/serving/warmup.py) before the port opens
+    test_hook_slow_first_forward_s: float = 0.0  # TEST HOOK: the first forward sleeps this long (a cold compile)
 
     def __post_init__(self) -> None:
         check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
@@ -59,6 +62,9 @@ class PrefillWorker:
                  core: Optional[LLMEngine] = None):
         self.config, self.identity, self.metrics = config, identity, metrics
         self.core = core or LLMEngine(config.engine)
+        if config.test_hook_slow_first_forward_s:
+            slow_first_forward(self.core, config.test_hook_slow_first_forward_s)
+        self.warmup_report: Optional[WarmupReport] = None
         self._evicted: list[bytes] = []  # piggybacked on responses for a router without Redis
         self.core.prefix_cache.on_evict = self._evicted.extend
         self.publishers: list = []  # ownership stores told about held/evicted blocks (Redis), set by the CLI
@@ -72,6 +78,7 @@ class PrefillWorker:
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
+        self.last_load = self.load()  # read here, before the engine thread starts
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.deliveries = Deliveries(loop)
@@ -167,7 +174,10 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
 
 
 async def serve_prefill(worker: PrefillWorker, ready=None) -> None:
-    """Run the worker's gRPC server until SIGTERM/SIGINT, then drain (see grpc_shell.serve_until_signal)."""
+    """Warm up, then run the worker's gRPC server until SIGTERM/SIGINT, then drain (see
+    grpc_shell.serve_until_signal). The port opens only after the warm-up: ready means ready."""
+    if worker.config.warmup:
+        worker.warmup_report = warm_up_worker(worker.core, "prefill")
     sec = worker.config.security
     server, port = create_server(worker.config.host, worker.config.port,
                                  [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name],

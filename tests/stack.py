@@ -97,7 +97,11 @@ def start_all(specs: list[tuple[str, list[str], str]], log_dir: Path, timeout_s:
 
 def wait_serving(proc: Proc, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(proc.address) as ch:
+    # Short reconnect backoff: the port opens only after the worker's warm-up, and gRPC's default backoff (1 s growing)
+    # would notice it seconds late.
+    fast_retry = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 500)]
+    with grpc.insecure_channel(proc.address, fast_retry) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:

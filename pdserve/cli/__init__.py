@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV transport of every worker (default tcp); with nccl, worker k runs on cuda:k (NCCL "
                          "pairs two different GPUs)")
     ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
+    serve.add_warmup_args(ug)
     up.set_defaults(func=serve.cmd_up)
 
     hc = sub.add_parser("healthcheck", help="ask a pdserve server for its grpc.health.v1 status (exit 0 = SERVING)",

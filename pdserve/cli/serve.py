@@ -53,7 +53,17 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
                    help="requests waiting here (prefill: for compute; decode: for their KV) before new ones get "
                         "RESOURCE_EXHAUSTED (default 256)")
+    add_warmup_args(g)
+    # TEST HOOK (tests/test_ready.py): the engine's first forward sleeps S seconds, standing for a cold GPU's kernel
+    # compiles. Hidden; PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD sets it in every worker `pdserve up` starts.
+    g.add_argument("--test-hook-slow-first-forward", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     add_reliability_args(p, internal_server=True)
+
+
+def add_warmup_args(g) -> None:
+    g.add_argument("--skip-warmup", action="store_true",
+                   help="report SERVING without first running each prompt size and decode batch once (on a GPU the "
+                        "first requests then wait for kernel compiles; for tests that do not need it)")
 
 
 def kv_transport_names() -> list[str]:
@@ -122,6 +132,12 @@ def _nccl_error_handling(args: argparse.Namespace) -> None:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
 
 
+def _startup_times(start: float, built: float, warmup) -> str:
+    """' (ready in 9.1 s: engine 3.2 s, warm-up 5.9 s)': where a worker's start-up went."""
+    parts = [f"engine {built:.1f} s"] + ([f"warm-up {warmup.seconds:.1f} s"] if warmup else ["no warm-up"])
+    return f" (ready in {time.monotonic() - start:.1f} s: {', '.join(parts)})"
+
+
 def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.cli.engine_args import engine_config_from_args
     from pdserve.serving.metrics import Metrics
@@ -129,13 +145,16 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
 
     _nccl_error_handling(args)
+    start = time.monotonic()
     config = PrefillWorkerConfig(engine_config_from_args(args, prefill_only=True), host=args.host, port=args.port,
                                  kv_transport=args.kv_transport, kv_layerwise=not args.no_kv_layerwise,
                                  transfer_timeout_s=args.transfer_timeout,
                                  max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
-                                 security=security_from_args(args))
+                                 security=security_from_args(args), warmup=not args.skip_warmup,
+                                 test_hook_slow_first_forward_s=args.test_hook_slow_first_forward)
     metrics = Metrics.create("prefill")
     worker = PrefillWorker(config, _identity(args, "prefill", args.port), metrics)
+    built = time.monotonic() - start
     state = {}
 
     def ready(port: int) -> None:
@@ -153,7 +172,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
             worker.publishers.append(state["publisher"])
         state["registration"] = _register(args, worker, "prefill", mport)
         _say(f"prefill worker {worker.identity.worker_id} serving on {worker.identity.address}"
-             + (f", metrics on :{mport}" if mport else ""))
+             + (f", metrics on :{mport}" if mport else "") + _startup_times(start, built, worker.warmup_report))
 
     asyncio.run(serve_prefill(worker, ready=ready))
     for key in ("registration", "publisher"):
@@ -168,6 +187,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from pdserve.serving.metrics import Metrics, SpecMetrics
 
     _nccl_error_handling(args)
+    start = time.monotonic()
     engine = engine_config_from_args(args)
     # Decode keeps no prefix cache: its pages come from prefill and return to the pool when a request ends.
     engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, enable_prefix_cache=False))
@@ -175,9 +195,11 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                 kv_port=args.kv_port, kv_transport=args.kv_transport,
                                 transfer_timeout_s=args.transfer_timeout,
                                 max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
-                                security=security_from_args(args))
+                                security=security_from_args(args), warmup=not args.skip_warmup,
+                                test_hook_slow_first_forward_s=args.test_hook_slow_first_forward)
     metrics = Metrics.create("decode")
     worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics)
+    built = time.monotonic() - start
     worker.core.spec_observer = SpecMetrics(metrics)  # pdserve_spec_* histograms (recorded only when speculating)
     state = {}
 
@@ -186,7 +208,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
         mport = _serve_metrics(metrics, args.metrics_port)
         state["registration"] = _register(args, worker, "decode", mport)
         _say(f"decode worker {worker.identity.worker_id} serving on {worker.identity.address}, KV receiver on "
-             f"{worker.receiver.endpoint}" + (f", metrics on :{mport}" if mport else ""))
+             f"{worker.receiver.endpoint}" + (f", metrics on :{mport}" if mport else "")
+             + _startup_times(start, built, worker.warmup_report))
 
     asyncio.run(serve_decode(worker, ready=ready))
     if state.get("registration"):
@@ -313,23 +336,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_workers(procs: list[tuple[str, subprocess.Popen]], timeout_s: float, note_every_s: float = 10.0) -> None:
+    """Until every worker ("role:host:port", process) reports SERVING, which it does once its model is loaded and
+    its warm-up has run; one line per worker when it is ready, and who is still starting every note_every_s."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker at {address} exited with status {proc.returncode} while starting")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
+    start = time.monotonic()
+    waiting = dict(procs)
+    # NOTE: a port that opens only after the warm-up: gRPC's default reconnect backoff (1 s growing to 120 s) would
+    # notice it up to a minute late.
+    fast_retry = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 500)]
+    channels = {name: grpc.insecure_channel(name.split(":", 1)[1], fast_retry) for name in waiting}
+    next_note = start + note_every_s
+    try:
+        while waiting:
+            for name, proc in list(waiting.items()):
+                role, address = name.split(":", 1)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{role} worker at {address} exited with status {proc.returncode} while "
+                                       "starting")
+                try:
+                    serving = health_pb2_grpc.HealthStub(channels[name]).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:  # its port opens after the warm-up
+                    serving = False
+                if serving:
+                    del waiting[name]
+                    _say(f"{role} worker {address} ready after {time.monotonic() - start:.1f} s")
+            now = time.monotonic()
+            if waiting and now - start > timeout_s:
+                raise TimeoutError(f"workers {', '.join(n.split(':', 1)[1] for n in waiting)} not ready within "
+                                   f"{timeout_s:.0f} s (--start-timeout)")
+            if waiting and now >= next_note:
+                _say(f"still starting after {now - start:.0f} s: {', '.join(waiting)} (model load, CUDA graphs, "
+                     "then the warm-up: their own lines say which)")
+                next_note += note_every_s
+            if waiting:
                 time.sleep(0.2)
-    raise TimeoutError(f"worker at {address} did not become healthy within {timeout_s:.0f}s")
+    finally:
+        for channel in channels.values():
+            channel.close()
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -345,7 +393,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         if args.speculative_num_draft_tokens is not None:
             flags += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     return flags + (["--no-prefix-cache"] if args.no_prefix_cache else []) + (
-        ["--disable-cuda-graph"] if args.disable_cuda_graph else [])
+        ["--disable-cuda-graph"] if args.disable_cuda_graph else []) + (
+        ["--skip-warmup"] if getattr(args, "skip_warmup", False) else [])
 
 
 def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
@@ -377,6 +426,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             if not os.path.isfile(os.path.join(args.model, "config.json")):
                 _say(f"no --model given and no trained demo model: making a random tiny model in {args.model}")
                 make_tiny_model(args.model)
+    up_start = time.monotonic()
     gpus = _gpu_per_worker(args)
     procs: list[tuple[str, subprocess.Popen]] = []
     common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout), "--kv-transport",
@@ -392,9 +442,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                 if args.metrics_port:
                     cmd += ["--metrics-port", "0"]
                 procs.append((f"{role}:127.0.0.1:{port}", subprocess.Popen(cmd)))
-        _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ...")
-        for name, proc in procs:
-            _wait_serving(name.split(":", 1)[1], proc, args.start_timeout)
+        _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ({args.device}); "
+             "each reports ready after loading the model and its warm-up ...")
+        _wait_workers(procs, args.start_timeout)
+        workers_ready = time.monotonic() - up_start
         router_args = argparse.Namespace(
             host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
             balance_threshold=args.balance_threshold, metrics_port=args.metrics_port, http_port=args.http_port,
@@ -402,7 +453,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             decode=[n.split(":", 1)[1] for n, _ in procs if n.startswith("decode")])
 
         def ready(port: int) -> None:
-            _say(f"pdserve is up. Try:  pdserve generate --target {args.host}:{port} --prompt 'Hello' "
+            _say(f"pdserve is up after {time.monotonic() - up_start:.1f} s (workers ready in {workers_ready:.1f} s). "
+                 f"Try:  pdserve generate --target {args.host}:{port} --prompt 'Hello' "
                  "--max-new-tokens 16   (Ctrl-C stops everything)")
 
         asyncio.run(run_router(router_args, on_ready=ready))

@@ -85,6 +85,9 @@ class Deliveries:
         self._futures.pop(key, None)
 
 
+LOAD_WAIT_S = 0.05  # GetLoad waits this long for the engine thread, then answers the last load it read
+
+
 class WorkerControl:
     """The RPCs both worker services share (Abort, GetLoad, GetWorkerInfo), over `self.w`: a worker with an
     engine loop, an engine with abort(request_id), load() and info()."""
@@ -96,7 +99,15 @@ class WorkerControl:
         return pb.AbortResponse(found=found)
 
     async def GetLoad(self, request, context):
-        return await asyncio.wrap_future(self.w.loop.submit(self.w.load))
+        # NOTE: the router's heartbeat. It drops a worker whose GetLoad times out, so the answer must not wait
+        # behind a long engine step (a kernel compile, a long prompt): the engine thread reads the load between two
+        # steps, and if it does not within LOAD_WAIT_S, the last load it read answers.
+        fresh = asyncio.wrap_future(self.w.loop.submit(self.w.load))
+        try:
+            self.w.last_load = await asyncio.wait_for(asyncio.shield(fresh), LOAD_WAIT_S)
+        except asyncio.TimeoutError:
+            pass
+        return self.w.last_load
 
     async def GetWorkerInfo(self, request, context):
         return self.w.info()

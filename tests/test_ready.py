@@ -1,0 +1,178 @@
+"""Ready means ready: a worker warms up before it reports SERVING, leaves its engine as it was, answers health and
+load checks while its engine thread is busy, and a stack whose first forward is slow (a cold GPU compiling kernels,
+played by the `--test-hook-slow-first-forward` test hook) serves requests sent the moment `pdserve up` says it is up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_cache import CacheConfig
+from pdserve.sampling import SamplingParams
+from pdserve.serving.warmup import WarmupPlan, plan_for, slow_first_forward, warm_up
+from pdserve.spec_decode import SpeculativeConfig
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+from stack import REPO, Proc, free_port, generate, start_stack, wait_serving
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+# A plan with every phase (GPU-like, small): prompts of 1 token, one chunk and a chunk and a bit (chunked), several
+# prompts in one step, decode batches.
+FULL_PLAN = WarmupPlan(prompt_lens=(1, 17, 32, 49), prompt_batch=4, decode_batches=(1, 2, 4), decode_tokens=5)
+
+
+def engine_for(model_dir, speculate: bool = False) -> LLMEngine:
+    from pdserve.scheduler import SchedulerConfig
+
+    return LLMEngine(EngineConfig(str(model_dir), cache=CacheConfig(page_size=4, num_pages=128),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=32),
+                                  speculative=SpeculativeConfig("NEXTN" if speculate else None, 2)))
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "nextn"])
+def test_warmup_leaves_the_engine_as_it_was(tiny_v3_dir, speculate):
+    """No request, no page, no prefix-cache block left; and the engine then generates what a fresh one does."""
+    fresh = engine_for(tiny_v3_dir, speculate)
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, seed=3)]
+    want = [o.output_ids for o in fresh.generate(PROMPTS, params)]
+
+    engine = engine_for(tiny_v3_dir, speculate)
+    free = engine.pool.allocator.num_free
+    said = []
+    report = warm_up(engine, FULL_PLAN, said.append)
+    assert report.requests == 4 + 4 + 1 + 2 + 4 and report.steps > 0
+    assert len(said) == len(report.phases) == 8 and all(s.startswith("warm-up: ") for s in said)
+    assert not engine.has_unfinished and engine.kv_pages_in_use_by_requests() == 0
+    assert engine.pool.allocator.num_free == free and engine.prefix_cache.num_cached_pages == 0
+    assert [o.output_ids for o in engine.generate(PROMPTS, params)] == want
+
+
+def test_warmup_keeps_the_tiers_hooks_out(tiny_v3_dir):
+    """A tier's step hooks (the prefill worker ships KV from them) see none of the warm-up's requests, and are back
+    afterwards."""
+    engine = engine_for(tiny_v3_dir)
+
+    class Recording:
+        computes_mtp_kv = True
+        seen: list = []
+
+        def on_layer_done(self, prompts, layer):
+            self.seen.append(layer)
+
+        def on_prefilled(self, prompts, first_tokens, hidden):
+            self.seen.append("prefilled")
+
+    hooks = engine.hooks = Recording()
+    warm_up(engine, FULL_PLAN)
+    assert engine.hooks is hooks and hooks.seen == []
+
+
+def test_cpu_plans_are_one_short_prompt_and_one_decode_step(tiny_v3_dir):
+    engine = engine_for(tiny_v3_dir)
+    assert plan_for(engine, "prefill") == WarmupPlan(prompt_lens=(4,), decode_tokens=2)
+    assert plan_for(engine, "decode") == WarmupPlan(decode_batches=(1,), decode_tokens=2)
+
+
+def test_warmup_refuses_a_busy_engine(tiny_v3_dir):
+    engine = engine_for(tiny_v3_dir)
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warm_up(engine, FULL_PLAN)
+
+
+def test_slow_first_forward_hook_delays_only_the_first_forward(tiny_v3_dir):
+    engine = engine_for(tiny_v3_dir)
+    slow_first_forward(engine, 0.5)
+    times = []
+    for prompt in PROMPTS:
+        t0 = time.monotonic()
+        engine.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
+        times.append(time.monotonic() - t0)
+    assert times[0] >= 0.5 > times[1]
+
+
+def _timed(call) -> float:
+    t0 = time.monotonic()
+    call()
+    return time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_health_and_load_are_answered_while_the_engine_is_busy(tiny_v3_dir, tmp_path):
+    """The prefill worker's engine thread spends 4 s in its first forward; meanwhile its health checks and GetLoad
+    (the router's heartbeat) answer in milliseconds."""
+    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--skip-warmup", "--test-hook-slow-first-forward", "4"])
+    try:
+        done = threading.Event()
+        result = {}
+
+        def request() -> None:
+            result["out"] = generate(stack.router.address, [5, 6, 7, 8], SamplingParams(max_new_tokens=3,
+                                                                                        ignore_eos=True))
+            done.set()
+
+        threading.Thread(target=request, daemon=True).start()
+        prefill = stack.prefill[0]
+        time.sleep(0.5)  # the prompt is in the engine's first forward now
+        health_s, load_s = [], []
+        with grpc.insecure_channel(prefill.address) as ch:
+            health, worker = health_pb2_grpc.HealthStub(ch), pb_grpc.PrefillWorkerStub(ch)
+            for _ in range(5):
+                health_s.append(_timed(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=3)))
+                load_s.append(_timed(lambda: worker.GetLoad(pb.GetLoadRequest(), timeout=3)))
+                time.sleep(0.2)
+        assert not done.is_set(), "the engine was not busy during the checks: the test checked nothing"
+        print(f"health {max(health_s) * 1e3:.1f} ms, GetLoad {max(load_s) * 1e3:.1f} ms at most while busy")
+        assert max(health_s) < 0.25 and max(load_s) < 0.25
+        assert done.wait(30) and result["out"].completion_tokens == 3
+    finally:
+        stack.stop()
+
+
+def _bench_args(target: str, n: int) -> argparse.Namespace:
+    from pdserve.cli.bench import add_bench_args
+
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    return p.parse_args(["--target", target, "--num-prompts", str(n), "--max-concurrency", "32", "--input-len", "24",
+                         "--output-len", "8", "--request-timeout", "60", "--no-progress"])
+
+
+@pytest.mark.slow
+def test_cold_start_serves_requests_sent_the_moment_it_is_up(trained_model_dir, tmp_path):
+    """`pdserve up` on the demo model, each worker's first forward slowed by 3 s (a cold GPU compiling kernels): 64
+    requests, 32 at a time, sent as soon as it prints "pdserve is up", all succeed."""
+    from pdserve.cli.bench import run
+
+    port = free_port()
+    log = tmp_path / "up.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD": "3"}
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(trained_model_dir), "--port",
+                           str(port), "--device", "cpu"], cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                          env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while "pdserve is up" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        result = asyncio.run(run(_bench_args(f"127.0.0.1:{port}", 64)))
+        text = log.read_text()
+        assert result["failed"] == 0, (result["errors_by_status"], result["error_examples"], text[-3000:])
+        assert result["completed"] == 64
+        assert text.count("warm-up: done in") == 2  # both workers warmed up before reporting ready
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
