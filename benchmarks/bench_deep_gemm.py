@@ -7,7 +7,9 @@
   (the "deep_gemm" backend), next to the Triton fused MoE and the Gluon contiguous grouped GEMM
   (bench_moe_gemm.py's measurements, same process); ceiling: cuBLAS FP8 on one dense GEMM of the same rows;
 - decode MoE (the masked layout) at batch 1..128 under CUDA graphs: the deep_gemm backend masked and contiguous,
-  the Triton backend, and the weight-read floor (experts hit x their fp8 bytes at the copy bandwidth).
+  the Triton backend, and the weight-read floor (experts hit x their fp8 bytes at the copy bandwidth);
+- sizes: the MoE layer from 128 to 4096 tokens on each path (where DeepGEMM overtakes Triton);
+- linear: the deep_gemm and scaled_mm GEMM backends' `linear` (quantization included) at decode-to-prefill rows.
 
     python benchmarks/bench_deep_gemm.py --out benchmarks/results/h200/deep_gemm.json
 """
@@ -86,7 +88,7 @@ def bench_moe_deep_gemm(token_counts: list[int]) -> list[dict]:
     from pdserve.kernels import triton_moe_kernels as k
     from pdserve.kernels.deep_gemm_moe import DeepGemmMoE
 
-    moe = DeepGemmMoE(masked_max_tokens=0)
+    moe = DeepGemmMoE(masked_max_tokens=0, triton_max_tokens=0)
     w13, w2, s13, s2 = _random_fp8_experts(E, H, I)
     rows = []
     for tokens in token_counts:
@@ -132,14 +134,15 @@ def bench_decode_moe(batches: list[int]) -> list[dict]:
     from pdserve.kernels.triton_moe import TritonMoE
 
     w13, w2, s13, s2 = _random_fp8_experts(E, H, I)
-    read_bw = copy_bandwidth() / 2  # the copy counts bytes read and written
-    backends = {"deep_gemm_masked": DeepGemmMoE(), "deep_gemm_contiguous": DeepGemmMoE(masked_max_tokens=0),
+    bw = copy_bandwidth()  # bytes read + written per second: the DRAM traffic rate a pure read stream can reach
+    backends = {"deep_gemm_masked": DeepGemmMoE(triton_max_tokens=0),
+                "deep_gemm_contiguous": DeepGemmMoE(masked_max_tokens=0, triton_max_tokens=0),
                 "triton": TritonMoE()}
     rows = []
     for b in batches:
         x, weights, ids = _v3_routed(b, E, H, TOP_K)
         hit = int(torch.unique(ids).numel())
-        floor = hit * (w13[0].numel() + w2[0].numel()) / read_bw
+        floor = hit * (w13[0].numel() + w2[0].numel()) / bw
         row = {"batch": b, "experts_hit": hit, "weight_read_floor_ms": floor * 1e3}
         for name, moe in backends.items():
             try:
@@ -154,13 +157,62 @@ def bench_decode_moe(batches: list[int]) -> list[dict]:
     return rows
 
 
+def bench_moe_sizes(token_counts: list[int]) -> list[dict]:
+    """The MoE layer (routing given) from decode to prefill sizes on each path, eager: where DeepGEMM overtakes the
+    Triton fused MoE (deep_gemm_moe.TRITON_MAX_TOKENS)."""
+    from pdserve.kernels.deep_gemm_moe import DeepGemmMoE
+    from pdserve.kernels.triton_moe import TritonMoE
+
+    w13, w2, s13, s2 = _random_fp8_experts(E, H, I)
+    paths = {"triton": TritonMoE(), "deep_gemm_contiguous": DeepGemmMoE(masked_max_tokens=0, triton_max_tokens=0),
+             "deep_gemm_masked": DeepGemmMoE(masked_max_tokens=1 << 30, triton_max_tokens=0)}
+    rows = []
+    for tokens in token_counts:
+        x, weights, ids = _v3_routed(tokens, E, H, TOP_K)
+        row = {"tokens": tokens}
+        for name, moe in paths.items():
+            if name == "deep_gemm_masked" and tokens > 1024:
+                continue  # slabs of T rows per expert: 256 x T x 7168 bf16 outputs
+            row[name] = {"ms": cuda_time(lambda: moe.experts(x, weights, ids, w13, w2, s13, s2, (128, 128)),
+                                         iters=10) * 1e3}
+        rows.append(row)
+        print(f"MoE layer T={tokens:<6} " + " | ".join(f"{name} {row[name]['ms']:.3f} ms" for name in paths
+                                                       if name in row), flush=True)
+    return rows
+
+
+def bench_dense_backends(ms: list[int], shapes: list[str]) -> list[dict]:
+    """The GEMM backends' `linear` (quantization included, as the model calls it): deep_gemm against scaled_mm."""
+    from pdserve.kernels.deep_gemm_dense import DeepGemmGemm
+    from pdserve.kernels.triton_gemm import ScaledMMGemm
+
+    backends = {"deep_gemm": DeepGemmGemm(min_rows=1), "scaled_mm": ScaledMMGemm()}
+    rows = []
+    for name in shapes:
+        n, k = DENSE[name]
+        wq, ws = block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"shape": name, "M": m, "N": n, "K": k}
+            for label, gemm in backends.items():
+                row[label] = {"us": cuda_time(lambda: gemm.linear(x, wq, ws, (128, 128))) * 1e6}
+            rows.append(row)
+            print(f"linear {name:>14} M={m:<6} " + " | ".join(f"{label} {row[label]['us']:8.1f} us"
+                                                            for label in backends), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 128, 4096, 8192, 16384], help="dense GEMM rows")
     p.add_argument("--shapes", nargs="+", default=list(DENSE), choices=list(DENSE))
     p.add_argument("--moe-tokens", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
-    p.add_argument("--skip", nargs="*", default=[], choices=["dense", "moe", "ours", "decode"],
+    p.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512, 1024, 1536, 2048, 3072, 4096],
+                   help="tokens for the MoE layer on each path (sizes section)")
+    p.add_argument("--linear-m", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048],
+                   help="rows for the GEMM backends' linear (linear section)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["dense", "moe", "ours", "decode", "sizes", "linear"],
                    help="sections to leave out (ours: the Triton / Gluon prefill MoE)")
     p.add_argument("--moe-config", help="config table for the Triton fused MoE (kernels/configs/moe/ format; default: "
                                          "the committed one for this GPU, else the untuned default)")
@@ -184,6 +236,10 @@ def main() -> None:
         result["moe_gluon"] = bench_moe_contiguous(args.moe_tokens, GLUON_CONTIGUOUS[:1])
     if "decode" not in args.skip:
         result["decode_moe"] = bench_decode_moe(args.decode_batch)
+    if "sizes" not in args.skip:
+        result["moe_sizes"] = bench_moe_sizes(args.sizes)
+    if "linear" not in args.skip:
+        result["dense_linear"] = bench_dense_backends(args.linear_m, args.shapes)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

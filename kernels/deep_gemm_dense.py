@@ -5,7 +5,8 @@ y = (x_q * x_scale) @ (W_q * W_scale)^T: activations quantized per token per 128
 fp32 scales written MN-major with M padded to 4 (DeepGEMM's TMA-aligned layout on sm_90: given row-major scales it
 copies them into it, 4% of the GEMM at 4096 x 2048 x 7168 on the H200), weights and their (ceil(N/128), K/128)
 fp32 scales as the checkpoint stores them. Shapes DeepGEMM does not take (K not a multiple of
-128, N not a multiple of 8, outputs other than bf16) and non-FP8 weights go to the scaled_mm / Triton path.
+128, N not a multiple of 8, outputs other than bf16), fewer than MIN_ROWS rows (measured slower or no faster there)
+and non-FP8 weights go to the scaled_mm / Triton path.
 
 Registered wherever the deep_gemm package is installed; whether it runs here is checked in a child process
 (deep_gemm_ops.py). Nothing syncs with the host, so CUDA graphs capture it (DeepGEMM JIT-compiles a kernel per
@@ -21,17 +22,24 @@ from .gemm import FP8_DTYPE, GEMM_BACKENDS
 from .triton_gemm import TritonGemm, scaled_mm_blockwise_available
 
 GROUP = 128
+# DeepGEMM from this many rows up; fewer go to scaled_mm (cuBLAS). H200 (benchmarks/results/h200/deep_gemm.md): at
+# M = 4096 and 16384 DeepGEMM's GEMM is 68-101% of cuBLAS FP8 per-tensor, ahead of scaled_mm in 13 of 18 V3 shapes x
+# sizes, and the V3-slice prefill of 4k / 16k tokens is faster with it; at M = 2048 (the engine's default prefill
+# chunk) its linear is slower on the narrow projections (q_a 196 vs 116 us, kv_a 222 vs 121 us) and the 1k prefill
+# was 5% slower; under decode's CUDA graphs (M <= 128) the step time was the same within 2%.
+MIN_ROWS = 4096
 
 
 class DeepGemmGemm(TritonGemm):
-    """Block-FP8 (128x128) weights on DeepGEMM's `fp8_gemm_nt`; the rest as the scaled_mm (or triton) backend.
+    """Block-FP8 (128x128) weights on DeepGEMM's `fp8_gemm_nt` from min_rows rows up; the rest as the scaled_mm (or
+    triton) backend.
 
     ops: the `deep_gemm` module by default (imported only once a child process ran it), or a stand-in with an
-    `fp8_gemm_nt` (CPU tests: grouped_contract.dense_reference)."""
+    `fp8_gemm_nt` (grouped_contract.dense_reference)."""
 
     graph_safe = True
 
-    def __init__(self, ops=None):
+    def __init__(self, ops=None, min_rows: int = MIN_ROWS):
         super().__init__(use_scaled_mm=scaled_mm_blockwise_available())
         if ops is None:
             deep_gemm_ops.require_usable()
@@ -39,13 +47,13 @@ class DeepGemmGemm(TritonGemm):
 
             ops = deep_gemm
         self._gemm = deep_gemm_ops.find_op(ops, "gemm")
+        self.min_rows = min_rows
 
-    @staticmethod
-    def takes(x: torch.Tensor, weight: torch.Tensor, block) -> bool:
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, block) -> bool:
         """Whether DeepGEMM runs this linear (else the scaled_mm / Triton path does)."""
         n, k = weight.shape
         return (weight.dtype == FP8_DTYPE and tuple(block or ()) == (GROUP, GROUP) and x.dtype == torch.bfloat16
-                and k % GROUP == 0 and n % 8 == 0)
+                and k % GROUP == 0 and n % 8 == 0 and x.numel() // k >= self.min_rows)
 
     def linear(self, x, weight, scale_inv, block):
         if not self.takes(x, weight, block):

@@ -1,5 +1,6 @@
 """The "deep_gemm" MoE backend: block-FP8 experts on DeepGEMM's grouped FP8 GEMMs (FACTS §2), the contiguous
-layout for prefill and the masked layout for decode (grouped_contract.py has both layouts and the contract).
+layout for prefill and the masked layout for decode (grouped_contract.py has both layouts and the contract); batches
+where our Triton fused MoE measured faster (every decode batch on the H200) go to it instead (TRITON_MAX_TOKENS).
 
 Registered wherever the deep_gemm package is installed; whether it runs here (the right torch, a Hopper GPU) is
 checked once, in a child process, when a backend is resolved or this one is built (deep_gemm_ops.py), so that
@@ -17,6 +18,8 @@ No host syncs: all sizes come from (T, top_k, E), so the backend can be captured
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import deep_gemm_ops
@@ -31,6 +34,13 @@ from .moe import MOE_BACKENDS, MoEBackend
 # past masked_m included, so every slab must hold whole tiles: with 16-row slabs a group's tile overwrote the next
 # groups' rows (H200, sgl-deep-gemm 0.1.4.post1: relative error 1.0), with 128-row slabs it is exact.
 MASKED_M_ALIGN = 128
+# Up to this many tokens the Triton fused MoE is faster than DeepGEMM's contiguous grouped GEMMs (H200, one run,
+# benchmarks/results/h200/deep_gemm.md: 1.88 vs 3.34 ms at 128 tokens, 4.22 vs 4.37 at 1536, even at 2048, 6.94 vs
+# 5.74 at 4096), so the backend hands such batches to it. The masked layout beats both at 1024 tokens (3.35 ms) but
+# needs E x T-row slabs (7.8 GB of transient buffers at 1024 tokens) and trails Triton at every decode batch (1.88 vs
+# 1.66 ms at 128), so it is used only when asked for (triton_max_tokens=0). Applies to the real DeepGEMM only: with
+# stand-in ops every size runs the contract.
+TRITON_MAX_TOKENS = 1536
 
 
 class TorchDeepGemmOps:
@@ -41,15 +51,21 @@ class TorchDeepGemmOps:
 
 
 class DeepGemmMoE(MoEBackend):
-    """Block-FP8 experts on DeepGEMM: masked layout for T <= masked_max_tokens (decode), contiguous above.
+    """Block-FP8 experts on DeepGEMM: T <= triton_max_tokens on the Triton fused MoE (faster there), else the masked
+    layout for T <= masked_max_tokens (decode sizes), the contiguous layout above.
 
     ops: an object with DeepGEMM's grouped GEMMs under any of the names in deep_gemm_ops.OP_NAMES; default the
     `deep_gemm` module (imported only once a child process ran it, deep_gemm_ops.require_usable), and
-    `TorchDeepGemmOps()` in the CPU tests. Non-FP8 weights go to the Triton backend (DeepGEMM is FP8 only)."""
+    `TorchDeepGemmOps()` in the CPU tests. triton_max_tokens: default TRITON_MAX_TOKENS with the real DeepGEMM, 0
+    with stand-in ops. Non-FP8 weights go to the Triton backend (DeepGEMM is FP8 only)."""
 
     graph_safe = True
 
-    def __init__(self, ops=None, masked_max_tokens: int = 128, m_max_align: int = MASKED_M_ALIGN):
+    def __init__(self, ops=None, masked_max_tokens: int = 128, m_max_align: int = MASKED_M_ALIGN,
+                 triton_max_tokens: Optional[int] = None):
+        if triton_max_tokens is None:
+            triton_max_tokens = TRITON_MAX_TOKENS if ops is None else 0
+        self.triton_max_tokens = triton_max_tokens
         if ops is None:
             deep_gemm_ops.require_usable()
             import deep_gemm
@@ -69,8 +85,12 @@ class DeepGemmMoE(MoEBackend):
         self._align, self._fp8, self._kernels = moe_align, triton_fp8, triton_moe_kernels
         self._fallback = TritonMoE()
 
+    def select_experts(self, router_logits, correction_bias, cfg):
+        """The Triton backend's fused routing (one kernel per layer), same contract as moe.select_experts."""
+        return self._fallback.select_experts(router_logits, correction_bias, cfg)
+
     def experts(self, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block):
-        if w13.dtype != FP8_DTYPE:
+        if w13.dtype != FP8_DTYPE or x.shape[0] <= self.triton_max_tokens:
             return self._fallback.experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block)
         if tuple(block or ()) != (GROUP, GROUP):
             raise ValueError(f"DeepGEMM takes 128x128 FP8 blocks, got {block}")

@@ -157,7 +157,7 @@ def v3_batch(tokens: int, seed: int):
 def test_deep_gemm_moe_backend_v3(v3_experts, tokens, layout):
     w13, w2, s13, s2 = v3_experts
     x, weights, ids = v3_batch(tokens, tokens)
-    moe = DeepGemmMoE(masked_max_tokens=128 if layout == "masked" else 0)
+    moe = DeepGemmMoE(masked_max_tokens=128 if layout == "masked" else 0, triton_max_tokens=0)
     out = moe.experts(x, weights, ids, w13, w2, s13, s2, (128, 128))
     ref = moe_reference(x, weights, ids, w13, w2, s13, s2, quantize_activations=True, dtype=torch.float32)
     err = rel_err(out, ref)
@@ -171,7 +171,7 @@ def test_deep_gemm_moe_backend_v3(v3_experts, tokens, layout):
 def test_deep_gemm_moe_cuda_graph_replay(v3_experts, tokens):
     """Captured once (masked at 16, contiguous at 256), replayed on new inputs: equal to eager on those inputs."""
     w13, w2, s13, s2 = v3_experts
-    moe = DeepGemmMoE()
+    moe = DeepGemmMoE(triton_max_tokens=0)
     x, weights, ids = v3_batch(tokens, 1)
 
     def step():
@@ -197,6 +197,19 @@ def test_deep_gemm_moe_cuda_graph_replay(v3_experts, tokens):
         assert rel_err(captured, eager) < 1e-3, f"replay {seed} differs from eager"
 
 
+def test_deep_gemm_moe_hands_small_batches_to_triton(v3_experts):
+    """The default backend: T <= TRITON_MAX_TOKENS on the Triton fused MoE, exactly its output; above, DeepGEMM."""
+    from pdserve.kernels import deep_gemm_moe
+    from pdserve.kernels.triton_moe import TritonMoE
+
+    w13, w2, s13, s2 = v3_experts
+    moe = DeepGemmMoE()
+    assert moe.triton_max_tokens == deep_gemm_moe.TRITON_MAX_TOKENS
+    x, weights, ids = v3_batch(8, 5)
+    out = moe.experts(x, weights, ids, w13, w2, s13, s2, (128, 128))
+    assert torch.equal(out, TritonMoE().experts(x, weights, ids, w13, w2, s13, s2, (128, 128)))
+
+
 @pytest.mark.parametrize("name", ["q_a", "kv_a", "kv_b", "k640", "ragged_n"])
 @pytest.mark.parametrize("m", [1, 16, 4096])
 def test_deep_gemm_dense_backend(name, m):
@@ -204,8 +217,8 @@ def test_deep_gemm_dense_backend(name, m):
     gen = torch.Generator(DEV).manual_seed(m + n)
     w, ws = random_fp8(n, k, gen=gen), random_scales(-(-n // 128), k // 128, gen=gen) / 64 / k ** 0.5
     x = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
-    backend = DeepGemmGemm()
-    assert backend.takes(x, w, (128, 128))
+    backend = DeepGemmGemm(min_rows=1)
+    assert backend.takes(x, w, (128, 128)) and DeepGemmGemm().takes(x, w, (128, 128)) == (m >= 4096)
     y = backend.linear(x, w, ws, (128, 128))
     xq, xs = per_token_group_quant(x)
     ref = dequant_rows(xq, xs) @ block_dequant(w, ws, (128, 128)).T
@@ -231,7 +244,7 @@ def test_deep_gemm_dense_cuda_graph_replay():
     gen = torch.Generator(DEV).manual_seed(4)
     w, ws = random_fp8(n, k, gen=gen), random_scales(n // 128, k // 128, gen=gen) / 64 / k ** 0.5
     x = torch.randn(16, k, device=DEV, generator=gen).to(torch.bfloat16)
-    backend = DeepGemmGemm()
+    backend = DeepGemmGemm(min_rows=1)
     backend.linear(x, w, ws, (128, 128))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
