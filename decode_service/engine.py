@@ -124,9 +124,10 @@ class DecodeEngine:
         self.on_failed(request_id, error)
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
-    def step(self) -> None:
-        for out in self.core.step():
-            self.on_output(out)
+    def step(self) -> list[RequestOutput]:
+        """One engine step; its outputs go back to the caller in one list (a first token, produced when a
+        request's KV completes, goes through on_output instead)."""
+        return self.core.step()
 
     def abort(self, request_id: str) -> bool:
         t = self.pending.pop(request_id, None)

@@ -58,6 +58,24 @@ class Stream:
     queue: asyncio.Queue
     arrival_time: float
     last_token_time: Optional[float] = None
+    held: object = None  # an item taken off the queue behind merged outputs, next in line
+
+    async def next_item(self) -> tuple[object, list[int], str]:
+        """(item, token ids, text): the next output with every output queued behind it merged in (several tokens
+        in one message when the reader falls behind the engine; the last one's state counts), or an error."""
+        item, self.held = (self.held, None) if self.held is not None else (await self.queue.get(), None)
+        if not isinstance(item, RequestOutput):
+            return item, [], ""
+        token_ids, text = list(item.new_token_ids), item.new_text
+        while not item.finished and not self.queue.empty():
+            later = self.queue.get_nowait()
+            if not isinstance(later, RequestOutput):
+                self.held = later
+                break
+            item = later
+            token_ids += later.new_token_ids
+            text += later.new_text
+        return item, token_ids, text
 
 
 class DecodeWorker:
@@ -94,7 +112,9 @@ class DecodeWorker:
 
     # ---- engine thread ------------------------------------------------------------------------------------------
     def _step(self) -> None:
-        self.engine.step()
+        outputs = self.engine.step()
+        if outputs:  # one hand-off to the event loop per step, not one per request
+            self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)
         sched, alloc = self.core.scheduler, self.core.pool.allocator
         self.metrics.running.set(len(sched.running))
         self.metrics.queue_length.set(self.engine.num_transferring)
@@ -118,6 +138,10 @@ class DecodeWorker:
         stream = self.streams.get(request_id)
         if stream is not None:
             stream.queue.put_nowait(item)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._deliver(out.request_id, out)
 
     def load(self) -> pb.WorkerLoad:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
@@ -162,7 +186,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item, token_ids, text = await stream.next_item()
                 if isinstance(item, KVTransferError):
                     w.metrics.count(w.metrics.requests, outcome="failed")
                     code = grpc.StatusCode.DEADLINE_EXCEEDED if item.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
@@ -172,11 +196,13 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
                     finished = True
                     await abort_with(context, item)
                 now = time.monotonic()
-                if stream.last_token_time is not None:
-                    w.metrics.itl.observe(now - stream.last_token_time)
+                if stream.last_token_time is not None and token_ids:  # merged tokens share their gap
+                    gap = (now - stream.last_token_time) / len(token_ids)
+                    for _ in token_ids:
+                        w.metrics.itl.observe(gap)
                 stream.last_token_time = now
-                w.metrics.count(w.metrics.generated_tokens, len(item.new_token_ids))
-                msg = pb.DecodeResponse(token_ids=item.new_token_ids, text=item.new_text)
+                w.metrics.count(w.metrics.generated_tokens, len(token_ids))
+                msg = pb.DecodeResponse(token_ids=token_ids, text=text)
                 if item.finished:
                     finished = True
                     msg.finish_reason = finish_to_proto(item.finish_reason)

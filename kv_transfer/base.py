@@ -206,8 +206,8 @@ OnFailed = Callable[[int, KVTransferError], None]  # (room, error)
 class KVReceiver(ABC):
     """Decode side. Constructed as `cls(layout, on_layer=..., on_done=..., on_failed=..., **options)`; every
     transport takes the options `host`, `port`, `timeout_s`, `token`, `max_room_tokens` and `kv_buffer` (the decode
-    pool `(num_layers, num_slots, kv_dim)`: the collective transports receive straight into its pages and call
-    on_layer with `values=None`; TCP ignores it and hands the rows to on_layer).
+    pool `(num_layers, num_slots, kv_dim)`: the transports write straight into its pages and call on_layer with
+    `values=None`; without it, TCP hands the rows to on_layer).
 
     Per room the callbacks arrive in this order and never overlap: `on_layer` once per layer (layer order as
     sent; the collective transports call it once the layer's receives completed), then exactly one of `on_done` /

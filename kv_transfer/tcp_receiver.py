@@ -58,6 +58,7 @@ class _Room:
         self.layers: set[int] = set()
         self.aux: dict[str, Any] | None = None
         self.conn: _PeerConn | None = None  # the connection its frames came in on
+        self.pool_slots: torch.Tensor | None = None  # dst_slots on the pool's device, made at the first layer
 
     def progress(self) -> str:
         return f"{len(self.layers)}/{self.num_layers} layers, aux {'received' if self.aux is not None else 'missing'}"
@@ -74,8 +75,10 @@ class TcpKVReceiver(KVReceiver):
                  advertise_host: str | None = None, token: str | None = None, max_room_tokens: int | None = None,
                  kv_buffer: torch.Tensor | None = None):
         """token: senders must present it in HELLO (None: no check). max_room_tokens: the most tokens a room can
-        have (the KV pool's capacity); bounds the payload a peer may announce. kv_buffer: the decode pool, which
-        TCP does not touch (its rows go through on_layer); the collective transports receive into it."""
+        have (the KV pool's capacity); bounds the payload a peer may announce. kv_buffer: the decode pool
+        `(num_layers, num_slots, kv_dim)`; given, each layer's rows are written into the room's pages on this
+        receiver's thread and on_layer gets values=None (so the decode engine's thread never copies KV); without
+        it the rows go to on_layer."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         self.layout, self.timeout_s, self.handshake_timeout_s = layout, timeout_s, handshake_timeout_s
@@ -84,6 +87,8 @@ class TcpKVReceiver(KVReceiver):
         row_bytes = layout.kv_dim * layout.torch_dtype.itemsize
         self._max_payload = max(_MAX_AUX_PAYLOAD, self._max_room_tokens * row_bytes)
         self._on_layer, self._on_done, self._on_failed = on_layer, on_done, on_failed
+        self._pool = kv_buffer
+        self._copy_stream = None  # a CUDA pool's rows are copied on their own stream, beside the decode steps
         # NOTE: re-entrant because callbacks run under it and may call cancel()/expect().
         self._lock = threading.RLock()
         self._rooms: dict[int, _Room] = {}
@@ -247,12 +252,34 @@ class TcpKVReceiver(KVReceiver):
             r.status.advance(TransferState.TRANSFERRING)
             if kind == LAYER:
                 r.layers.add(layer)
+                if self._pool is not None:
+                    self._write_rows(r, layer, values)
+                    values = None
                 if not self._call(self._on_layer, room, layer, r.dst_slots, values):
                     self._drop_locked(r, "aborted", f"room {room}: the decode worker's on_layer callback raised")
                     return
             else:
                 r.aux = aux
             self._complete_if_ready_locked(r)
+
+    def _write_rows(self, r: _Room, layer: int, values: torch.Tensor) -> None:
+        """The layer's rows into the room's reserved slots of the pool.
+
+        NOTE: synchronous (the copy stream is waited for here, with the GIL released), so once cancel() returns no
+        write of the room can still land in pages the decode worker then frees and hands to another request."""
+        pool = self._pool
+        if pool.device.type != "cuda":
+            if r.pool_slots is None:
+                r.pool_slots = r.dst_slots.to(pool.device)
+            pool[layer].index_copy_(0, r.pool_slots, values.to(pool.dtype))
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(pool.device)
+        with torch.cuda.stream(self._copy_stream):
+            if r.pool_slots is None:
+                r.pool_slots = r.dst_slots.to(pool.device, non_blocking=True)
+            pool[layer].index_copy_(0, r.pool_slots, values.to(pool.device, pool.dtype, non_blocking=True))
+        self._copy_stream.synchronize()
 
     def _parse_layer(self, r: _Room, header: dict[str, Any], payload: torch.Tensor) -> tuple[int, torch.Tensor]:
         layer, n = header["layer"], header["num_tokens"]

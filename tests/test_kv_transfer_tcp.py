@@ -155,6 +155,30 @@ def test_round_trip_into_scattered_pages(cleanup, dtype):
     assert len(rec.done) == 1 and not rec.failed and receiver.num_pending == 0
 
 
+def test_rows_land_in_the_decode_pool_when_the_receiver_has_it(cleanup):
+    """With kv_buffer (as the decode worker runs it) the receiver's thread writes each layer into the room's pages,
+    gathered once on the sending side from the prefill pool's slots; on_layer only counts (values None)."""
+    layout = make_layout("bfloat16")
+    decode = LatentKVPool(LAYERS, KV_DIM, CacheConfig(page_size=PAGE, num_pages=16), dtype=torch.bfloat16)
+    receiver, rec = start_receiver(cleanup, layout, kv_buffer=decode.kv)
+    sender = start_sender(cleanup, layout)
+    src_pages, dst_pages = [4, 5, 6, 0, 1, 12, 13, 14, 2, 3], [9, 2, 5, 6, 7, 0, 13, 11, 12, 3]
+    prefill = fill_prefill_pool(torch.bfloat16, src_pages)
+    receiver.expect(7, TOKENS, dst_pages, LAYERS)
+    handle = sender.begin(receiver.endpoint, 7, LAYERS)
+    for layer in range(LAYERS):
+        handle.send_rows(layer, prefill.kv[layer], prefill.slots_for(src_pages, 0, TOKENS))
+    handle.finish({"first_token_id": 1, "cached_tokens": 0, "hidden": None, "rng_state": b""})
+    handle.wait(timeout=5)
+    rec.wait_for(lambda: rec.done)
+    assert [values for *_, values in rec.layers] == [None] * LAYERS
+    for layer in range(LAYERS):
+        assert torch.equal(decode.gather(layer, dst_pages, TOKENS), prefill.gather(layer, src_pages, TOKENS))
+    untouched = torch.ones(decode.kv.shape[1], dtype=torch.bool)
+    untouched[decode.slots_for(dst_pages, 0, TOKENS)] = False
+    assert (decode.kv[:, untouched] == 0).all(), "a write outside the room's slots"
+
+
 def test_two_rooms_interleaved_on_one_connection(cleanup):
     layout = make_layout()
     receiver, rec = start_receiver(cleanup, layout)
