@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-/tmp/pdserve-bench}
-SINGLE_GPU_SUITES=(tests decode prefill mla moe spec)
+SINGLE_GPU_SUITES=(tests decode prefill mla moe spec serving)
 
 usage() {
   cat <<'EOF'
@@ -21,8 +21,11 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   moe        dense block-FP8 GEMMs and the MoE grouped GEMMs (fused table, contiguous, Gluon) vs cuBLAS FP8 (~3 min)
   moe-tune   the fused-MoE prefill tile search, writes the table for kernels/configs/moe/, then moe with it (~5 min)
   spec       NextN speculative decoding on models/tiny-trained, and its draft / verify cost on the V3 slice (~2 min)
+  serving    the service vs the engine: `pdserve up` (prefill + decode on one GPU) driven by `pdserve bench` at
+             concurrency 1 8 32 128, demo model and V3 slice, the engine alone on the same prompts; cold kernel
+             caches first (~8 min; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
   kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
-  all        tests, decode, prefill, mla, moe and spec in turn (longer than one device call's 10 minutes)
+  all        tests, decode, prefill, mla, moe, spec and serving in turn (longer than one device call's 10 minutes)
 
 Files land in $OUT/SUITE/ (default $OUT=/tmp/pdserve-bench): SUITE.log with everything printed (the GPU and
 driver first), and the suite's JSON files. Commit them under benchmarks/results/<gpu>/.
@@ -139,6 +142,12 @@ suite_spec() {
   step 200 python3 benchmarks/bench_spec.py --model models/tiny-trained --out "$d/spec_v3_slice.json" --profile "$@"
 }
 
+suite_serving() {  # serving.json, serving.md, and per model its up.log, bench_c<C>.json, engine.json
+  local d=$1
+  shift
+  step 560 python3 benchmarks/bench_serving.py --out "$d" --cold "$@"
+}
+
 suite_kv() {
   local d=$1
   shift
@@ -176,7 +185,7 @@ case "$suite" in
     need_gpus 2 kv
     setup_env
     run_suite kv "$@" ;;
-  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec)
+  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving)
     need_gpus 1 "$suite"
     setup_env
     run_suite "$suite" "$@" ;;

@@ -198,7 +198,7 @@ def warm_up_worker(engine: LLMEngine, role: str, say: Optional[Callable[[str], N
     say(f"warm-up: {role} worker on {engine.config.device}: {len(plan.prompt_lens)} prompt sizes, "
         f"{len(plan.decode_batches)} decode batches {list(plan.decode_batches)}")
     report = warm_up(engine, plan, say)
-    say(f"warm-up: done in {report.seconds:.2f} s ({report.requests} requests, {report.steps} steps)")
+    say(f"warm-up: done in {report.seconds:.2f} s ({role} worker, {report.requests} requests, {report.steps} steps)")
     return report
 
 

@@ -1,0 +1,482 @@
+"""The service against the engine, in one run: `pdserve up` (router + 1 prefill + 1 decode process on one device,
+TCP KV transfer) driven by `pdserve bench`, then the engine alone (`LLMEngine` in a process of its own, no gRPC) on
+the same prompts and batch sizes; one table of stack / engine ratios.
+
+    python benchmarks/bench_serving.py --out DIR [--models demo v3] [--concurrency 1 8 32 128] [--cold]
+    python benchmarks/bench_serving.py --out DIR --device cpu --models demo --concurrency 1 2 --num-prompts 4 \\
+        --demo-input-len 16 --demo-output-len 4          # the CPU smoke test (tests/test_bench_serving.py)
+
+Per model: `pdserve up` as a user starts it, until it prints "pdserve is up" (start-up and warm-up times are read
+from its log); then `pdserve bench --json` at each concurrency, `--num-prompts` prompts (default max(8, 2 x
+concurrency)) of random token ids, a new seed per concurrency (no prefix-cache hits between runs); the stack stops.
+Then the engine alone, built from the same engine flags (prefix cache off: the prompts share nothing), warmed up
+(pdserve/serving/warmup.py), and per concurrency c: the first c prompts of that run admitted together and generated
+to the end (offline), each step timed (a step ends with the sampled tokens on the host). It reports output tok/s
+(output tokens / wall time, prefill included, as `pdserve bench` counts), the median decode step, TPOT (decode time /
+(output tokens - 1)), the prefill rate of the batch (prompt tokens / time of the steps that computed prompts), and
+the prefill time of one prompt alone (median of 3).
+
+Ratios (stack / engine): output tok/s at c vs batch c; TPOT and ITL (means) vs the engine's decode step at batch c;
+TTFT (median) vs the prefill time of one prompt; input tok/s at c vs the engine's prefill rate at batch c.
+
+Models: `demo` = models/tiny-trained (512 in / 128 out by default); `v3` = a DeepSeek-V3 slice (real widths,
+--v3-layers layers + NextN, block-FP8 dummy weights: `--load-format dummy` on a config.json written under --work-dir;
+2048 in / 64 out). --cold first clears the Triton cache (TRITON_CACHE_DIR or ~/.triton/cache) and FlashInfer's JIT
+cache ($FLASHINFER_WORKSPACE_BASE/.cache/flashinfer), as on a fresh machine, and records the failures of the first
+run. Files in DIR (few, so that a device call brings them all back): serving.json (every number of the run: each
+`pdserve bench` report, the engine's, the commands, GPU, date, git revision), serving.md (the table), <model>_up.log
+(everything `pdserve up` printed). Each run's own files go under --work-dir (default: a temporary folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DEMO_MODEL = os.path.join(ROOT, "models", "tiny-trained")
+# The issue's targets (issue 17): (what, threshold, "min" = ratio at least / "max" = at most).
+TARGETS = {"out_tok_s_c32": 0.90, "out_tok_s_c128": 0.85, "tpot_c1": 1.10, "in_tok_s_c32": 0.80, "ttft_c1": 1.10}
+
+
+def log(msg: str) -> None:
+    print(f"[serving] {msg}", flush=True)
+
+
+# ---- the stack ------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(args, model: dict) -> list[str]:
+    """The engine flags of both the stack (`pdserve up`) and the engine alone."""
+    top = max(args.concurrency)
+    per_request = -(-(model["input_len"] + model["output_len"]) // args.page_size) + 1
+    pages = args.num_pages or int(per_request * top * 1.1) + 64
+    flags = ["--model", model["dir"], "--device", args.device, "--load-format", model["load_format"],
+             "--page-size", str(args.page_size), "--num-pages", str(pages),
+             "--max-running-requests", str(max(top, 1)), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.cuda_graph_max_bs:
+        flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
+    if args.speculative_num_steps:
+        flags += ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(args.speculative_num_steps)]
+    return flags + args.engine_arg
+
+
+def tail_until_up(up: subprocess.Popen, log_path: str, timeout_s: float) -> dict:
+    """Wait for "pdserve is up" in the log, echoing the progress lines; returns the start-up times it printed."""
+    start, seen = time.monotonic(), 0
+    info = {"warmup_s": {}, "worker_ready_s": {}}
+    while True:
+        with open(log_path, errors="replace") as f:
+            lines = f.read().splitlines()
+        for line in lines[seen:]:
+            if any(k in line for k in ("warm-up: done", "serving on", "ready after", "pdserve is up", "still starting",
+                                       "Error", "error:")):
+                log(f"  up: {line.strip()[:200]}")
+            if "warm-up: done in" in line:  # "warm-up: done in 1.23 s (decode worker, ...)"
+                seconds, rest = line.split("warm-up: done in")[1].split(" s (", 1)
+                info["warmup_s"][rest.split()[0]] = float(seconds)
+            ready = re.search(r"\] (\w+) worker \S+ ready after ([\d.]+) s", line)
+            if ready:
+                info["worker_ready_s"][ready.group(1)] = float(ready.group(2))
+            if "pdserve is up" in line:
+                info["up_s"] = time.monotonic() - start
+                return info
+        seen = len(lines)
+        if up.poll() is not None:
+            raise RuntimeError(f"pdserve up exited ({up.returncode}) before it was up:\n" + "\n".join(lines[-40:]))
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"pdserve up not up within {timeout_s:.0f} s:\n" + "\n".join(lines[-40:]))
+        time.sleep(0.05)
+
+
+def stop(up: subprocess.Popen) -> None:
+    if up.poll() is None:
+        up.send_signal(signal.SIGINT)
+    try:
+        up.wait(60)
+    except subprocess.TimeoutExpired:
+        up.kill()
+        up.wait(10)
+
+
+def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> None:
+    """Fills `result` as it goes (save() after each measurement); each run's files go to `out`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), *engine_flags(args, model)]
+    log_path = os.path.join(args.out, f"{name}_up.log")
+    log(f"{name}: starting the stack: {shlex.join(cmd[1:])}")
+    t0 = time.monotonic()
+    up = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result["command"] = shlex.join(["python", *cmd[1:]])
+    try:
+        result.update(tail_until_up(up, log_path, args.start_timeout))
+        log(f"{name}: up after {result['up_s']:.1f} s; warm-up per worker {result['warmup_s']}")
+        for i, c in enumerate(args.concurrency):
+            n = num_prompts(args, c)
+            path = os.path.join(out, f"bench_c{c}.json")
+            bench = [sys.executable, "-m", "pdserve", "bench", "--target", f"127.0.0.1:{port}", "--num-prompts", str(n),
+                     "--input-len", str(model["input_len"]), "--output-len", str(model["output_len"]),
+                     "--max-concurrency", str(c), "--seed", str(i), "--json", path, "--no-progress"]
+            t = time.monotonic()
+            proc = subprocess.run(bench, cwd=ROOT, capture_output=True, text=True, timeout=args.bench_timeout)
+            if proc.returncode != 0 or not os.path.isfile(path):
+                raise RuntimeError(f"pdserve bench failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                   f"{proc.stderr[-3000:]}")
+            with open(path) as f:
+                r = json.load(f)
+            r.update(concurrency=c, seed=i, command=shlex.join(["pdserve", *bench[3:]]))
+            result["runs"].append(r)
+            save()
+            log(f"{name}: c={c}: {r['completed']}/{n} ok, {r['failed']} failed {r['errors_by_status'] or ''}, "
+                f"{r['output_token_throughput']:.0f} out tok/s, {r['input_token_throughput']:.0f} in tok/s, "
+                f"TTFT p50 {_ms(r['ttft']['median_ms'])}, ITL {_ms(r['itl']['mean_ms'])}, TPOT "
+                f"{_ms(r['tpot']['mean_ms'])} ({time.monotonic() - t:.1f} s)")
+    finally:
+        stop(up)
+        result["stack_s"] = time.monotonic() - t0
+
+
+def num_prompts(args, c: int) -> int:
+    return args.num_prompts or max(8, 2 * c)
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f} ms"
+
+
+# ---- the engine alone (its own process: the stack's GPU memory is free again, and its own is freed at exit) ----------
+def run_engine_process(args, name: str, model: dict, out: str) -> dict:
+    path = os.path.join(out, "engine.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--engine-only", path, "--out", out,
+           "--input-len", str(model["input_len"]), "--output-len", str(model["output_len"]),
+           "--concurrency", *map(str, args.concurrency), "--device", args.device,
+           *(["--num-prompts", str(args.num_prompts)] if args.num_prompts else []),
+           "--", *engine_flags(args, model)]
+    log(f"{name}: the engine alone: {shlex.join(cmd[1:])}")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=args.bench_timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the engine-alone run failed ({proc.returncode})")
+    with open(path) as f:
+        r = json.load(f)
+    r["seconds"] = time.monotonic() - t0
+    return r
+
+
+def engine_only(args) -> None:
+    """In the child process: the engine alone on the bench's prompts."""
+    import random
+
+    from pdserve.cli.bench import add_bench_args, make_prompts
+    from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
+    from pdserve.engine import LLMEngine
+    from pdserve.sampling import SamplingParams
+    from pdserve.serving.warmup import plan_for, warm_up
+    import dataclasses
+
+    import torch
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    eargs = p.parse_args(args.engine_flags)
+    config = engine_config_from_args(eargs)
+    # No prefix cache: the prompts share nothing, and one prompt timed three times must not hit its own pages.
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, enable_prefix_cache=False))
+    t0 = time.monotonic()
+    engine = LLMEngine(config)
+    built = time.monotonic() - t0
+    report = warm_up(engine, plan_for(engine, "engine"))
+    log(f"engine built in {built:.1f} s, warmed up in {report.seconds:.1f} s")
+    vocab = engine.model_config.vocab_size
+    gpu = torch.cuda.get_device_name() if str(config.device).startswith("cuda") else "cpu"
+
+    def prompts_of(seed: int, n: int) -> list[list[int]]:
+        b = argparse.ArgumentParser()
+        add_bench_args(b)
+        bargs = b.parse_args(["--num-prompts", str(n), "--input-len", str(args.input_len), "--output-len",
+                              str(args.output_len), "--seed", str(seed)])
+        return [ids for ids, _ in make_prompts(bargs, vocab, random.Random(seed))]
+
+    def timed_generate(prompts: list[list[int]], new_tokens: int) -> dict:
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in prompts]
+        pending_first, steps = set(ids), []
+        start = time.perf_counter()
+        all_first = None
+        while engine.has_unfinished:
+            t = time.perf_counter()
+            outs = engine.step()  # ends with the sampled tokens on the host: the step's GPU work is done
+            prefill = bool(pending_first)
+            pending_first.difference_update(o.request_id for o in outs)
+            steps.append((time.perf_counter() - t, prefill))
+            if prefill and not pending_first:
+                all_first = time.perf_counter()
+        total = time.perf_counter() - start
+        decode = [s for s, prefill in steps if not prefill]
+        prefill_s = sum(s for s, prefill in steps if prefill)
+        return {"seconds": total, "prefill_s": prefill_s, "steps": len(steps),
+                "decode_step_ms": 1e3 * statistics.median(decode) if decode else None,
+                "tpot_ms": 1e3 * (start + total - all_first) / (new_tokens - 1) if new_tokens > 1 else None,
+                "output_tok_s": len(prompts) * new_tokens / total,
+                "prefill_tok_s": sum(map(len, prompts)) / prefill_s if prefill_s else None}
+
+    result = {"gpu": gpu, "engine_flags": args.engine_flags, "built_s": built, "warmup_s": report.seconds,
+              "batches": []}
+    for i, c in enumerate(args.concurrency):
+        prompts = prompts_of(i, max(c, 3))
+        singles = [timed_generate([prompts[j]], 1)["seconds"] for j in range(3)]
+        r = timed_generate(prompts[:c], args.output_len)
+        r.update(batch=c, seed=i, prefill_one_ms=1e3 * statistics.median(singles))
+        result["batches"].append(r)
+        log(f"engine: batch {c}: {r['output_tok_s']:.0f} out tok/s, decode step {_ms(r['decode_step_ms'])}, TPOT "
+            f"{_ms(r['tpot_ms'])}, prefill {r['prefill_tok_s'] or 0:.0f} tok/s, one prompt "
+            f"{r['prefill_one_ms']:.2f} ms")
+    with open(args.engine_only, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+# ---- the table --------------------------------------------------------------------------------------------------------
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def rows_of(name: str, stack: dict, engine: dict) -> list[dict]:
+    rows = []
+    by_batch = {b["batch"]: b for b in engine["batches"]}
+    for r in stack["runs"]:
+        e = by_batch.get(r["concurrency"])
+        if e is None:
+            continue
+        step = e["decode_step_ms"]
+        rows.append({
+            "model": name, "concurrency": r["concurrency"], "prompts": r["num_prompts"], "failed": r["failed"],
+            "stack_out_tok_s": r["output_token_throughput"], "engine_out_tok_s": e["output_tok_s"],
+            "out_tok_s_ratio": ratio(r["output_token_throughput"], e["output_tok_s"]),
+            "stack_tpot_ms": r["tpot"]["mean_ms"], "stack_itl_ms": r["itl"]["mean_ms"], "engine_step_ms": step,
+            "engine_tpot_ms": e["tpot_ms"],
+            "tpot_ratio": ratio(r["tpot"]["mean_ms"], step), "itl_ratio": ratio(r["itl"]["mean_ms"], step),
+            "stack_ttft_p50_ms": r["ttft"]["median_ms"], "engine_prefill_one_ms": e["prefill_one_ms"],
+            "ttft_ratio": ratio(r["ttft"]["median_ms"], e["prefill_one_ms"]),
+            "stack_in_tok_s": r["input_token_throughput"], "engine_prefill_tok_s": e["prefill_tok_s"],
+            "in_tok_s_ratio": ratio(r["input_token_throughput"], e["prefill_tok_s"])})
+    return rows
+
+
+def _f(v, digits=2, suffix="") -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}{suffix}" if abs(v) >= 100 else f"{v:.{digits}f}{suffix}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | c | failed | out tok/s stack / engine | ratio | TPOT / ITL stack ms | engine step ms | TPOT / "
+            "step | ITL / step | TTFT p50 ms | engine prefill of 1 prompt ms | TTFT / prefill | in tok/s stack / "
+            "engine prefill | ratio |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['concurrency']} | {r['failed']}/{r['prompts']} | {_f(r['stack_out_tok_s'])} / "
+            f"{_f(r['engine_out_tok_s'])} | **{_f(r['out_tok_s_ratio'])}** | {_f(r['stack_tpot_ms'])} / "
+            f"{_f(r['stack_itl_ms'])} | {_f(r['engine_step_ms'])} | **{_f(r['tpot_ratio'])}** | {_f(r['itl_ratio'])} | "
+            f"{_f(r['stack_ttft_p50_ms'])} | {_f(r['engine_prefill_one_ms'])} | **{_f(r['ttft_ratio'])}** | "
+            f"{_f(r['stack_in_tok_s'])} / {_f(r['engine_prefill_tok_s'])} | **{_f(r['in_tok_s_ratio'])}** |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Each of the issue's targets that this run measured, met or missed."""
+    out = []
+
+    def check(what: str, row: Optional[dict], key: str, limit: float, at_least: bool) -> None:
+        if row is None or row.get(key) is None:
+            return
+        v = row[key]
+        met = v >= limit if at_least else v <= limit
+        out.append(f"- {what} ({row['model']}): {v:.2f} {'>=' if at_least else '<='} {limit} target: "
+                   f"**{'met' if met else 'missed'}**")
+
+    for model in dict.fromkeys(r["model"] for r in rows):
+        at = {r["concurrency"]: r for r in rows if r["model"] == model}
+        check("output tok/s at c=32 / engine at batch 32", at.get(32), "out_tok_s_ratio", TARGETS["out_tok_s_c32"], True)
+        check("output tok/s at c=128 / engine at batch 128", at.get(128), "out_tok_s_ratio", TARGETS["out_tok_s_c128"],
+              True)
+        check("TPOT at c=1 / engine decode step", at.get(1), "tpot_ratio", TARGETS["tpot_c1"], False)
+        check("TTFT p50 at c=1 / engine prefill of the prompt (transfer time not added)", at.get(1), "ttft_ratio",
+              TARGETS["ttft_c1"], False)
+        if model == "v3":
+            check("input tok/s at c=32 / engine prefill rate", at.get(32), "in_tok_s_ratio", TARGETS["in_tok_s_c32"],
+                  True)
+    failed = sum(r["failed"] for r in rows)
+    out.append(f"- zero failed requests: {failed} failed: **{'met' if failed == 0 else 'missed'}**")
+    return out
+
+
+# ---- main -------------------------------------------------------------------------------------------------------------
+def write_v3_config(out: str, layers: int) -> str:
+    from benchmarks.bench_one_batch import FP8, V3
+
+    d = os.path.join(out, f"v3-slice-{layers}L")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(dict(V3, num_hidden_layers=layers, quantization_config=FP8, architectures=["DeepseekV3ForCausalLM"]),
+                  f, indent=2)
+    return d
+
+
+def clear_kernel_caches() -> list[str]:
+    """What a fresh machine lacks: Triton's compiled kernels and FlashInfer's JIT modules."""
+    dirs = [os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")]
+    base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
+    dirs.append(os.path.join(base, ".cache", "flashinfer"))
+    cleared = []
+    for d in dirs:
+        if os.path.isdir(d):
+            shutil.rmtree(d, ignore_errors=True)
+            cleared.append(d)
+    return cleared
+
+
+def machine() -> dict:
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        gpu = []
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return {"gpu": gpu[0] if gpu else "none", "git": rev.strip() + ("+dirty" if dirty else ""),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for serving.json, serving.md and each model's files")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--models", nargs="+", default=["demo", "v3"], choices=["demo", "v3"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--num-prompts", type=int, default=None, help="per concurrency (default max(8, 2 x concurrency))")
+    p.add_argument("--demo-input-len", type=int, default=512)
+    p.add_argument("--demo-output-len", type=int, default=128)
+    p.add_argument("--v3-input-len", type=int, default=2048)
+    p.add_argument("--v3-output-len", type=int, default=64)
+    p.add_argument("--v3-layers", type=int, default=4, help="main layers of the V3 slice (first one dense), + NextN")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None, help="default: room for every request at the top concurrency")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="default pdserve's (64): bigger batches decode eagerly, in the stack and the engine alike")
+    p.add_argument("--speculative-num-steps", type=int, default=0, help="NextN with k steps on both sides (0: off)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
+                   help="one more engine flag for both sides, e.g. --engine-arg=--attention-backend=triton")
+    p.add_argument("--work-dir", default=None, help="each run's files (default: a temporary folder)")
+    p.add_argument("--cold", action="store_true", help="clear the Triton and FlashInfer caches first")
+    p.add_argument("--skip-engine", action="store_true", help="the stack only")
+    p.add_argument("--start-timeout", type=float, default=400.0)
+    p.add_argument("--bench-timeout", type=float, default=400.0, help="seconds per pdserve bench / engine run")
+    # Internal: the engine-alone child process.
+    p.add_argument("--engine-only", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--input-len", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--output-len", type=int, help=argparse.SUPPRESS)
+    p.add_argument("engine_flags", nargs="*", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.engine_only:
+        engine_only(args)
+        return
+
+    os.makedirs(args.out, exist_ok=True)
+    work = args.work_dir or tempfile.mkdtemp(prefix="bench-serving-")
+    command = shlex.join(["python", "benchmarks/bench_serving.py", *sys.argv[1:]])
+    result = {"command": command, **machine(), "device": args.device, "cold": args.cold, "models": {}}
+    log(f"{command}\n[serving] {result['gpu']}, git {result['git']}, {result['date']}")
+    if args.cold:
+        result["cleared_caches"] = clear_kernel_caches()
+        log(f"cold start: cleared {result['cleared_caches'] or 'nothing (no caches yet)'}")
+    models = {"demo": {"dir": DEMO_MODEL, "load_format": "auto", "input_len": args.demo_input_len,
+                       "output_len": args.demo_output_len},
+              "v3": {"dir": None, "load_format": "dummy", "input_len": args.v3_input_len,
+                     "output_len": args.v3_output_len}}
+    t0 = time.monotonic()
+
+    def save() -> None:  # after every measurement: a run cut short by its time limit keeps what it measured
+        write_results(result, args, command, t0)
+
+    try:
+        for name in args.models:
+            model = models[name]
+            out = os.path.join(work, name)
+            os.makedirs(out, exist_ok=True)
+            if name == "v3":
+                model["dir"] = write_v3_config(out, args.v3_layers)
+            entry = result["models"][name] = {"model": model, "stack": {"runs": []}}
+            try:
+                run_stack(args, name, model, out, entry["stack"], save)
+                if not args.skip_engine:
+                    entry["engine"] = run_engine_process(args, name, model, out)
+            except Exception as e:  # noqa: BLE001 - recorded, and the next model still runs
+                entry["error"] = f"{type(e).__name__}: {e}"
+                log(f"{name} FAILED: {entry['error'][-3000:]}")
+            save()
+            log(f"{name} done after {time.monotonic() - t0:.0f} s")
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    text = write_results(result, args, command, t0)
+    print(text, flush=True)
+    log(f"wrote {args.out}/serving.json and serving.md in {time.monotonic() - t0:.0f} s")
+    if any("error" in e for e in result["models"].values()):
+        sys.exit(1)
+
+
+def write_results(result: dict, args, command: str, t0: float) -> str:
+    rows = []
+    for name, entry in result["models"].items():
+        if "engine" in entry:
+            rows += rows_of(name, entry["stack"], entry["engine"])
+    result["rows"] = rows
+    result["targets"] = targets(rows) if rows else []
+    result["first_run_failed"] = {name: e["stack"]["runs"][0]["failed"] for name, e in result["models"].items()
+                                  if e["stack"]["runs"]}
+    result["seconds"] = time.monotonic() - t0
+    md = ["# Serving benchmark: the stack vs the engine alone", "",
+          f"`{command}`", "", f"{result['gpu']}, git {result['git']}, {result['date']}, device {args.device}"
+          + (", cold start (Triton and FlashInfer caches cleared first)" if args.cold else ""), ""]
+    for name, entry in result["models"].items():
+        s = entry["stack"]
+        warm = ", ".join(f"{role} {v:.2f} s" for role, v in s.get("warmup_s", {}).items()) or "-"
+        md.append(f"- {name}: `{s.get('command', '')}`: up after {s.get('up_s', 0):.1f} s (warm-up {warm}); "
+                  f"first run after start-up: {result['first_run_failed'].get(name, '-')} failed"
+                  + (f"; engine alone built in {entry['engine']['built_s']:.1f} s, warmed up in "
+                     f"{entry['engine']['warmup_s']:.1f} s" if "engine" in entry else "")
+                  + (f"; **error**: {entry['error'][:300]}" if "error" in entry else ""))
+    if rows:
+        md += ["", table(rows), "", "Targets (issue 17):", *result["targets"]]
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(args.out, "serving.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(args.out, "serving.md"), "w") as f:
+        f.write(text)
+    return text
+
+if __name__ == "__main__":
+    main()

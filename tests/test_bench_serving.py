@@ -1,0 +1,38 @@
+"""benchmarks/bench_serving.py end to end on the CPU with tiny settings: the stack (`pdserve up`) driven by
+`pdserve bench`, the engine alone on the same prompts, and the table of their ratios."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stack import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
+    out = tmp_path / "serving"
+    proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--out", str(out), "--device", "cpu",
+                           "--models", "demo", "--concurrency", "1", "2", "--num-prompts", "4", "--demo-input-len", "16",
+                           "--demo-output-len", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "serving.json").read_text())
+    demo = result["models"]["demo"]
+    assert [r["concurrency"] for r in demo["stack"]["runs"]] == [1, 2]
+    assert all(r["completed"] == 4 and r["failed"] == 0 for r in demo["stack"]["runs"])
+    assert set(demo["stack"]["warmup_s"]) == {"prefill", "decode"} and demo["stack"]["up_s"] > 0
+    assert [b["batch"] for b in demo["engine"]["batches"]] == [1, 2]
+    rows = result["rows"]
+    assert [(r["model"], r["concurrency"]) for r in rows] == [("demo", 1), ("demo", 2)]
+    for r in rows:  # every ratio measured, from numbers of this run
+        for key in ("out_tok_s_ratio", "tpot_ratio", "itl_ratio", "ttft_ratio", "in_tok_s_ratio"):
+            assert r[key] is not None and r[key] > 0, (key, r)
+        assert r["out_tok_s_ratio"] == pytest.approx(r["stack_out_tok_s"] / r["engine_out_tok_s"])
+    assert result["first_run_failed"] == {"demo": 0} and result["git"] and result["date"]
+    md = (out / "serving.md").read_text()
+    assert "bench_serving.py --out" in md and "| demo | 2 | 0/4 |" in md and "zero failed requests" in md
+    assert sorted(f.name for f in out.iterdir()) == ["demo_up.log", "serving.json", "serving.md"]
