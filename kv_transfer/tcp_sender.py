@@ -36,10 +36,16 @@ class _Connection:
         self.handles: dict[int, TcpSendHandle] = {}
         self.broken: KVTransferError | None = None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (handle, frame kind, frame buffers) or None
+        self._copy_stream = None  # device-to-host copies of rows on a CUDA pool
         self.writer = threading.Thread(target=self._write_loop, name=f"kv-send-w-{endpoint}", daemon=True)
         self.reader = threading.Thread(target=self._read_loop, name=f"kv-send-r-{endpoint}", daemon=True)
         self.writer.start()
         self.reader.start()
+
+    def copy_stream(self, device: torch.device):
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        return self._copy_stream
 
     def register(self, handle: TcpSendHandle) -> bool:
         with self.lock:
@@ -59,13 +65,26 @@ class _Connection:
             post: Callable[[], None] | None = None) -> None:
         """Queue one frame. `post`, if given, runs on the writer thread right after the frame is written: the
         collective transports post a layer's sends there, so announcements and sends leave in one order."""
+        self.queue.put((handle, kind, self._frame(handle, kind, header, *payload), post))
+
+    def put_when_ready(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], rows: torch.Tensor,
+                       ready: Any) -> None:
+        """Queue a frame whose payload `rows` (pinned host memory) a device copy is still filling; `ready`, a CUDA
+        event, marks it done. The writer thread waits for it, then checksums and encodes: the caller (the prefill
+        engine's thread) never waits for the device, so the forward's next layers are queued at once."""
+        def build() -> list[bytes | memoryview]:
+            ready.synchronize()
+            return self._frame(handle, kind, header, tensor_bytes(rows))
+
+        self.queue.put((handle, kind, build, None))
+
+    def _frame(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes):
         if self.checksum and kind in (LAYER, AUX) and payload:
-            # NOTE: on the caller's thread, over rows already copied to host memory (a few GB/s, cheap next to
-            # the forward pass that produced them).
+            # NOTE: over rows already in host memory (a few GB/s, cheap next to the forward that produced them).
             header = {**header, "crc32": payload_crc32(*payload)}
         frame = encode_frame({"kind": kind, "room": handle.room, **header}, *payload)
         handle._bytes += frame_nbytes(frame)
-        self.queue.put((handle, kind, frame, post))
+        return frame
 
     def break_(self, error: KVTransferError) -> None:
         """Fail every room on this connection with `error` and stop both threads (idempotent)."""
@@ -86,6 +105,12 @@ class _Connection:
             handle, kind, frame, post = item
             if kind != ABORT and handle.status.state == TransferState.FAILED:
                 continue  # the room is dead: drop its remaining frames so the link is free for the others
+            if callable(frame):  # rows still on their way off the GPU (put_when_ready)
+                try:
+                    frame = frame()
+                except RuntimeError as e:  # a CUDA error: this room's rows cannot be read
+                    handle._fail("aborted", f"room {handle.room}: reading its rows off the GPU failed: {e}")
+                    continue
             try:
                 write_frame(self.sock, frame)
             except OSError as e:
@@ -171,9 +196,23 @@ class TcpSendHandle(SendHandle):
         return num_tokens
 
     def _queue_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> None:
-        # NOTE: gathered here, so the caller may overwrite or free the source pages as soon as this returns.
-        rows = gather_rows(source, slots, "cpu")  # (num_tokens, kv_dim)
-        self._conn.put(self, LAYER, {"layer": layer, "num_tokens": self._num_tokens}, tensor_bytes(rows))
+        header = {"layer": layer, "num_tokens": self._num_tokens}
+        if source.device.type != "cuda":
+            # NOTE: gathered here, so the caller may overwrite or free the source pages as soon as this returns.
+            self._conn.put(self, LAYER, header, tensor_bytes(gather_rows(source, slots, "cpu")))
+            return
+        # Gathered on the caller's stream (ordered after the forward that wrote the layer and before anything
+        # that overwrites it), then copied to pinned host memory on a side stream without waiting for it.
+        rows = gather_rows(source, slots, source.device)  # (num_tokens, kv_dim)
+        copy_stream = self._conn.copy_stream(source.device)
+        copy_stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(copy_stream):
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(copy_stream)
+        rows.record_stream(copy_stream)  # the allocator must not hand its memory out before the copy read it
+        self._conn.put_when_ready(self, LAYER, header, host, ready)
 
     def finish(self, aux: dict[str, Any]) -> None:
         if self._finished:
