@@ -29,6 +29,9 @@ from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layo
 from .engine import DecodeEngine
 
 log = logging.getLogger(__name__)
+# A reservation whose Decode call has not attached this long after Reserve answered is released: the router makes
+# that call right after the answer, so its absence means the request ended (deadline, cancel, router gone).
+RESERVATION_ATTACH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Stream:
     queue: asyncio.Queue
     arrival_time: float
     last_token_time: Optional[float] = None
+    attached: bool = False  # a Decode call reads it
     held: object = None  # an item taken off the queue behind merged outputs, next in line
 
     async def next_item(self) -> tuple[object, list[int], str]:
@@ -168,21 +172,31 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
                 raise ValueError(f"request_id {request.request_id!r} is already in use on this decode worker")
             params = sampling_from_proto(request.sampling_params)
             ids = list(request.input_ids)
-            t = await asyncio.wrap_future(w.loop.submit(lambda: w.engine.reserve(request.request_id, ids, params)))
+            rid = request.request_id
+            try:
+                t = await asyncio.wrap_future(w.loop.submit(lambda: w.engine.reserve(rid, ids, params)))
+            except asyncio.CancelledError:
+                # The caller went away (deadline, cancel) while the engine reserved. The engine thread runs its
+                # commands in order, so this abort finds the reservation if one was made.
+                w.loop.submit(lambda: w.engine.abort(rid))
+                raise
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)
         # Registered before any output can exist: outputs are produced only after the KV arrives.
-        w.streams[t.request_id] = Stream(t.request_id, asyncio.Queue(), time.monotonic())
+        stream = w.streams[t.request_id] = Stream(t.request_id, asyncio.Queue(), time.monotonic())
+        asyncio.get_running_loop().call_later(RESERVATION_ATTACH_S, self._release_unattached, stream)
         return pb.ReserveResponse(room=t.room, kv_endpoint=w.receiver.endpoint, dst_pages=t.pages,
                                   layout=layout_to_proto(w.layout))
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         w = self.w
         stream = w.streams.get(request.request_id)
-        if stream is None:
+        if stream is None or stream.attached:
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"request_id {request.request_id!r} is not reserved on this worker")
+                                f"request_id {request.request_id!r} is not reserved on this worker (a reservation "
+                                f"is released when no Decode call reads it within {RESERVATION_ATTACH_S:g} s)")
+        stream.attached = True
         finished = False
         try:
             while True:
@@ -217,6 +231,17 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             if not finished:  # the router went away (client cancelled): free the pages now
                 w.metrics.count(w.metrics.requests, outcome="aborted")
                 w.loop.submit(lambda: w.engine.abort(stream.request_id))
+
+
+    def _release_unattached(self, stream: Stream) -> None:
+        w = self.w
+        if stream.attached or w.streams.get(stream.request_id) is not stream:
+            return
+        del w.streams[stream.request_id]
+        log.info("request %s: no Decode call within %g s of its reservation; releasing it", stream.request_id,
+                 RESERVATION_ATTACH_S)
+        w.metrics.count(w.metrics.requests, outcome="aborted")
+        w.loop.submit(lambda: w.engine.abort(stream.request_id))
 
 
 async def serve_decode(worker: DecodeWorker, ready=None) -> None:

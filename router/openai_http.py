@@ -137,6 +137,13 @@ def _typed(body: dict, name: str, kinds: tuple, what: str, default: Any = None) 
     return value
 
 
+def _number(body: dict, name: str, default: float) -> float:
+    try:
+        return float(_typed(body, name, (int, float), "a number", default))
+    except OverflowError:  # an integer beyond any float
+        raise bad(f"{name} must be a finite number", name) from None
+
+
 def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     for name, unused in UNSUPPORTED.items():
         if body.get(name) not in unused:
@@ -152,8 +159,8 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=float(_typed(body, "temperature", (int, float), "a number", 1.0)),
-            top_p=float(_typed(body, "top_p", (int, float), "a number", 1.0)),
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
             top_k=_typed(body, "top_k", (int,), "an integer", 0),
             seed=_typed(body, "seed", (int,), "an integer"),
             stop=stop,
@@ -200,10 +207,13 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def prompt_ids(check, prompt, field: str) -> list[int]:
-    """Router.encode_text / check_ids, their INVALID_ARGUMENT as a 400 (counted as a rejected request)."""
+async def prompt_ids(router: Router, prompt, field: str) -> list[int]:
+    """Router.encode_text (a string) / check_ids (token ids), their INVALID_ARGUMENT as a 400 (counted as a rejected
+    request)."""
     try:
-        return check(prompt, field)
+        if isinstance(prompt, str):
+            return await router.encode_text(prompt, field)
+        return router.check_ids(prompt, field)
     except ServiceError as e:
         raise from_service_error(e) from None
 
@@ -240,9 +250,9 @@ class OpenAIFrontend:
             return OpenAIError(e.status, e.reason, code=None).response()
         except ConnectionError:  # the client is gone: nobody to answer
             raise
-        except Exception as e:  # a bug: still OpenAI's shape, and the traceback in the log
+        except Exception:  # a bug: still OpenAI's shape, the traceback in the log and no Python text in the body
             log.exception("%s %s failed", request.method, request.path)
-            return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal").response()
+            return OpenAIError(500, "internal error (the router's log has the details)", code="internal").response()
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
@@ -277,8 +287,13 @@ class OpenAIFrontend:
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad(f"the body is not valid JSON: {e}") from None
+        except json.JSONDecodeError as e:
+            raise bad(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except UnicodeDecodeError:
+            raise bad("the body is not valid JSON: it is not UTF-8 text") from None
+        except RecursionError:  # json's parser recurses once per nesting level
+            raise bad("the body is not valid JSON that pdserve accepts: arrays or objects are nested too deeply") \
+                from None
         if not isinstance(body, dict):
             raise bad("the body must be a JSON object")
         model = body.get("model")
@@ -295,9 +310,9 @@ class OpenAIFrontend:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = prompt_ids(self.router.encode_text, prompt, "prompt")
+            ids = await prompt_ids(self.router, prompt, "prompt")
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = prompt_ids(self.router.check_ids, prompt, "prompt")
+            ids = await prompt_ids(self.router, prompt, "prompt")
         else:
             raise bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
         params = sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -309,7 +324,7 @@ class OpenAIFrontend:
         if self.chat_template is None:
             raise bad("this model has no chat_template in its tokenizer_config.json; use /v1/completions",
                       "messages")
-        ids = prompt_ids(self.router.encode_text, self.chat_template.render(messages), "messages")
+        ids = await prompt_ids(self.router, self.chat_template.render(messages), "messages")
         # OpenAI's default: as many tokens as the context (and this router's --max-new-tokens-limit) allows.
         room = max(1, self.router.model_info().max_context_length - len(ids))
         params = sampling_params(body, min(room, self.router.config.max_new_tokens_limit or room))

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
@@ -27,13 +28,20 @@ from pdserve.v1 import generate_pb2_grpc as gen_grpc
 from pdserve.v1 import worker_pb2 as pb
 
 from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
-from .workers import Worker, WorkerPool, pick_decode, pick_prefill
+from .workers import Worker, WorkerDown, WorkerPool, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)
 
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_STOP_TOKEN_IDS = 256
+# Text prompts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones
+# on the tokenizer threads, without the GIL, so that a long prompt never holds up other requests.
+INLINE_TOKENIZE_CHARS = 16384
+# A prompt longer than the context times the longest token times this is refused before tokenizing: it cannot fit
+# (the margin covers normalizers that drop characters).
+PROMPT_CHARS_MARGIN = 2
 
 
 @dataclass(frozen=True)
@@ -45,12 +53,15 @@ class RouterConfig:
     max_new_tokens_limit: Optional[int] = None  # per request; None: only the model's context bounds it
     max_concurrent_requests: int = 1024  # requests in flight on this router; beyond: RESOURCE_EXHAUSTED
     max_request_bytes: int = 16 << 20  # largest GenerateRequest accepted (gRPC answers RESOURCE_EXHAUSTED)
+    tokenize_threads: int = 2  # long text prompts tokenized at once (the others wait their turn)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens_limit is not None and self.max_new_tokens_limit < 1:
             raise ValueError(f"--max-new-tokens-limit must be >= 1, got {self.max_new_tokens_limit}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.tokenize_threads < 1:
+            raise ValueError(f"--tokenize-threads must be >= 1, got {self.tokenize_threads}")
 
 
 class Router:
@@ -66,11 +77,18 @@ class Router:
         self._turn = 0  # round-robin among equally good workers
         self._in_flight_ids: set[str] = set()  # client-given ids of requests running now
         self.num_active = 0
+        self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="router-tokenize")
+        self._tokenize_slots = asyncio.Semaphore(config.tokenize_threads)
 
     # ---- choosing workers --------------------------------------------------------------------------------------
-    async def choose(self, prompt_ids: list[int], avoid: frozenset[str] = frozenset()
-                     ) -> tuple[Worker, Worker, list[bytes], str]:
-        """avoid: addresses to skip when another worker of the same role is healthy (the retry of a request)."""
+    async def choose(self, prompt_ids: list[int], avoid: frozenset[str] = frozenset(),
+                     deadline: Optional[float] = None) -> tuple[Worker, Worker, list[bytes], str]:
+        """avoid: addresses to skip when another worker of the same role is healthy (the retry of a request).
+        deadline: the request's (monotonic), which bounds the wait for a healthy worker."""
+        if not (self.pool.of_role("prefill") and self.pool.of_role("decode")):
+            # Workers may be restarting or briefly out: wait for them within the request's deadline, up to a bound.
+            limit = time.monotonic() + self.pool.health.wait_for_worker_s
+            await self.pool.wait_for(("prefill", "decode"), limit if deadline is None else min(limit, deadline))
         prefills, decodes = (_prefer_others(self.pool.of_role(role), avoid) for role in ("prefill", "decode"))
         if not prefills or not decodes:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
@@ -103,20 +121,40 @@ class Router:
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no worker has reported yet")
 
     # ---- checks: every field a client sets, before anything reaches a worker ---------------------------------------
-    def prompt_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
+    async def prompt_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise invalid("prompt: give exactly one of text or tokenized.input_ids")
         if kind == "text":
-            return self.encode_text(request.text)
+            return await self.encode_text(request.text)
         return self.check_ids(list(request.tokenized.input_ids), "tokenized.input_ids")
 
-    def encode_text(self, text: str, field: str = "text") -> list[int]:
+    def max_prompt_chars(self) -> int:
+        """The longest text that could still fit the model's context (see PROMPT_CHARS_MARGIN)."""
+        return self.model_info().max_context_length * self.tokenizer.max_token_chars * PROMPT_CHARS_MARGIN
+
+    async def encode_text(self, text: str, field: str = "text") -> list[int]:
+        """Checked before any work: not empty, not longer than the context could hold, valid Unicode. Long texts
+        are tokenized on the tokenizer threads (at most --tokenize-threads at once), off the event loop."""
         if not text:
             raise invalid(f"{field}: the prompt is empty")
         if self.tokenizer is None:
             raise invalid(f"{field}: this router has no tokenizer (start it with --model DIR); send token ids")
-        return self.check_ids(self.tokenizer.encode(text), field)
+        limit = self.max_prompt_chars()
+        if len(text) > limit:
+            raise invalid(f"{field}: the prompt has {len(text)} characters; the model's context of "
+                          f"{self.model_info().max_context_length} tokens cannot hold more than {limit}")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, which JSON's \\udXXX escapes can carry
+                raise invalid(f"{field}: not valid Unicode text (a lone surrogate at character {e.start})") from None
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.check_ids(self.tokenizer.encode(text), field)
+        async with self._tokenize_slots:
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, lambda: self.tokenizer.encode(text, release_gil=True))
+        return self.check_ids(ids, field)
 
     def check_ids(self, ids: list[int], field: str = "input_ids") -> list[int]:
         """The prompt is non-empty, in the vocabulary, and leaves room for at least one new token."""
@@ -136,6 +174,9 @@ class Router:
         """Limits SamplingParams itself cannot know (its own checks ran when it was built). A request must fit the
         context as asked: prompt + max_new_tokens above it is refused (as vLLM does) rather than cut short."""
         info = self.model_info()
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid(f"{field}.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids (got "
+                          f"{len(params.stop_token_ids)})")
         limit = self.config.max_new_tokens_limit
         if limit is not None and params.max_new_tokens > limit:
             raise invalid(f"{field}.max_new_tokens: {params.max_new_tokens} is above this server's limit of "
@@ -151,6 +192,8 @@ class Router:
         if len(params.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
             raise invalid(f"{field}.stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} "
                           f"characters each")
+        if any(not s.isascii() and not _is_unicode(s) for s in params.stop):
+            raise invalid(f"{field}.stop: not valid Unicode text (a lone surrogate)")
         if params.stop and self.tokenizer is None:
             raise invalid(f"{field}.stop: stop strings need a tokenizer; start the router with --model DIR")
 
@@ -195,7 +238,7 @@ class Router:
         try:
             tried: frozenset[str] = frozenset()
             for attempt in range(2):
-                prefill, decode, hashes, _ = await self.choose(prompt_ids, avoid=tried)
+                prefill, decode, hashes, _ = await self.choose(prompt_ids, avoid=tried, deadline=deadline)
                 streamed = False
                 prefill.in_flight += 1
                 decode.in_flight += 1
@@ -209,15 +252,17 @@ class Router:
                         yield msg
                     outcome = "finished"
                     return
-                except grpc.aio.AioRpcError as e:  # a worker's status, passed through (or retried)
-                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                except (grpc.aio.AioRpcError, WorkerDown) as e:  # a worker's status, passed through (or retried)
+                    code, details = ((grpc.StatusCode.UNAVAILABLE, str(e)) if isinstance(e, WorkerDown)
+                                     else (e.code(), e.details()))
+                    if code == grpc.StatusCode.UNAVAILABLE:
                         self.pool.poll_soon(prefill, decode)
-                    if e.code() == grpc.StatusCode.UNAVAILABLE and not streamed and attempt == 0:
-                        log.warning("request %s: %s; retrying once on other workers", rid, e.details())
+                    if code == grpc.StatusCode.UNAVAILABLE and not streamed and attempt == 0:
+                        log.warning("request %s: %s; retrying once on other workers", rid, details)
                         m.count(m.router_decisions, reason="retry")
                         tried = frozenset({prefill.address, decode.address})
                         continue
-                    raise ServiceError(e.code(), e.details() or e.code().name) from None
+                    raise ServiceError(code, details or code.name) from None
                 finally:
                     prefill.in_flight -= 1
                     decode.in_flight -= 1
@@ -233,24 +278,53 @@ class Router:
         m = self.metrics
         sp = sampling_to_proto(params)
         md = self.pool.metadata
-        reserve: pb.ReserveResponse = await decode.stub.Reserve(
-            pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
-            metadata=md)
-        decode_call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=_left(deadline), metadata=md)
-        prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
-            request_id=rid, input_ids=ids, sampling_params=sp, room=reserve.room, kv_endpoint=reserve.kv_endpoint,
-            dst_pages=reserve.dst_pages, dst_layout=reserve.layout), timeout=_left(deadline), metadata=md))
+        # Ends this attempt at once if either worker is taken out of routing (frozen, stalled, gone) meanwhile.
+        down = asyncio.ensure_future(_first_down(prefill, decode))
+        decode_call = prefill_task = None
         output_ids: list[int] = []
         text: list[str] = []
         last = None
+        decoding = False
+        read: Optional[asyncio.Future] = None
         try:
+            reserve_call = asyncio.ensure_future(decode.stub.Reserve(
+                pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
+                metadata=md))
+            try:
+                await asyncio.wait({reserve_call, down}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not reserve_call.done():
+                    reserve_call.cancel()  # the decode worker releases what it reserved when the call ends
+            if not reserve_call.done():
+                raise WorkerDown(down.result())
+            reserve: pb.ReserveResponse = reserve_call.result()
+            decode_call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=_left(deadline), metadata=md)
+            prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
+                request_id=rid, input_ids=ids, sampling_params=sp, room=reserve.room,
+                kv_endpoint=reserve.kv_endpoint, dst_pages=reserve.dst_pages, dst_layout=reserve.layout),
+                timeout=_left(deadline), metadata=md))
+            watching_prefill = True
             while True:
-                read = asyncio.ensure_future(decode_call.read())
-                done, _ = await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-                if prefill_task in done and prefill_task.exception() is not None and read not in done:
-                    read.cancel()
-                    raise prefill_task.exception()  # decode would only notice at its KV timeout
-                msg = await read
+                if watching_prefill and prefill_task.done() and prefill_task.exception() is None:
+                    # The prefill worker's part is done: only the decode worker can hold this request up now.
+                    watching_prefill = False
+                    down.cancel()
+                    down = asyncio.ensure_future(_first_down(decode))
+                if read is None:
+                    read = asyncio.ensure_future(decode_call.read())
+                waits = {read, down} | ({prefill_task} if not prefill_task.done() else set())
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
+                    if prefill_task.done() and prefill_task.exception() is not None:
+                        raise prefill_task.exception()  # decode would only notice at its KV timeout
+                    if down in done:
+                        raise WorkerDown(down.result())
+                    continue  # the prefill finished: keep reading
+                msg, read = read.result(), None
+                self.pool.seen(decode)
+                if not decoding:
+                    decoding = True
+                    decode.decoding += 1
                 if msg is grpc.aio.EOF:
                     raise ServiceError(grpc.StatusCode.INTERNAL, "decode worker ended the stream without finishing")
                 now = time.monotonic()
@@ -277,9 +351,15 @@ class Router:
                     return
         finally:
             # On any early exit (client cancel, a worker failing) both workers drop the request and free pages.
-            decode_call.cancel()
-            if not prefill_task.done():
+            if read is not None:
+                read.cancel()
+            if decode_call is not None:
+                decode_call.cancel()
+            if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
+            down.cancel()
+            if decoding:
+                decode.decoding -= 1
 
     def _learn_ownership(self, prefill: Worker, hashes: list[bytes], resp: pb.PrefillResponse) -> None:
         if not self.config.records_ownership or prefill.info is None:
@@ -307,7 +387,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
         r = self.r
         try:
-            ids = r.prompt_ids(request)
+            ids = await r.prompt_ids(request)
             params = sampling_from_proto(request.sampling_params)
             if not request.sampling_params.HasField("max_new_tokens"):
                 params = dataclasses.replace(params, max_new_tokens=r.default_max_new_tokens(len(ids)))
@@ -344,6 +424,25 @@ def _left(deadline: Optional[float]) -> Optional[float]:
     if left <= 0:
         raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
     return left
+
+
+async def _first_down(*workers: Worker) -> Worker:
+    """The first of `workers` to be taken out of routing (waits while all are in)."""
+    waits = {asyncio.ensure_future(w.down.wait()): w for w in workers}
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in waits:
+            t.cancel()
+    return waits[next(iter(done))]
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _prefer_others(workers: list[Worker], avoid: frozenset[str]) -> list[Worker]:

@@ -22,6 +22,46 @@ log = logging.getLogger(__name__)
 ROLE_STUBS = {"prefill": pb_grpc.PrefillWorkerStub, "decode": pb_grpc.DecodeWorkerStub}
 
 
+@dataclass(frozen=True)
+class HealthConfig:
+    """When the router takes a worker out of routing, and how long a request waits for one to be back.
+
+    A worker is out at once when a check is refused (connection refused, draining, wrong token): its streams end
+    by themselves if it is dead, and finish if it drains. It is out after `misses` consecutive checks that took
+    longer than `check_timeout_s` (one slow check is not enough), or, for a decode worker, when requests of ours
+    are decoding on it and none has received anything for `progress_s`; then its requests in flight end at once
+    with UNAVAILABLE (retried elsewhere when no token was sent yet). It rejoins at its next answered check. A request that finds no healthy worker of a role waits up to `wait_for_worker_s`
+    (within its deadline) for one before UNAVAILABLE."""
+
+    interval_s: float = 1.0  # between checks (GetLoad, which runs on the worker's engine thread)
+    check_timeout_s: float = 1.0
+    misses: int = 2
+    progress_s: float = 5.0
+    wait_for_worker_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "check_timeout_s", "progress_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HealthConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.misses < 1:
+            raise ValueError(f"--health-check-misses must be >= 1, got {self.misses}")
+        if self.wait_for_worker_s < 0:
+            raise ValueError(f"--wait-for-worker must be >= 0, got {self.wait_for_worker_s}")
+
+    @property
+    def frozen_detect_s(self) -> float:
+        """The longest a worker that stopped answering stays in routing."""
+        return self.misses * (self.interval_s + self.check_timeout_s)
+
+
+class WorkerDown(Exception):
+    """A worker this request uses was taken out of routing while the request waited on it."""
+
+    def __init__(self, worker: "Worker"):
+        super().__init__(f"{worker.role} worker {worker.address} stopped responding ({worker.down_reason})")
+        self.worker = worker
+
+
 @dataclass
 class Worker:
     address: str
@@ -33,6 +73,12 @@ class Worker:
     healthy: bool = False
     in_flight: int = 0  # requests this router has sent and not seen finish (fresher than the polled load)
     last_ok: float = field(default_factory=time.monotonic)
+    misses: int = 0  # consecutive checks that timed out
+    down_reason: str = ""
+    decoding: int = 0  # requests of ours that have received tokens from it and are not finished
+    last_message: float = field(default_factory=time.monotonic)  # anything streamed to one of our requests
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of routing after being in it
+    polling: bool = False
 
     @property
     def layout(self) -> Optional[KVLayout]:
@@ -46,13 +92,15 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, static: dict[str, list[str]], discover=None, refresh_s: float = 1.0,
-                 security: SecurityConfig = SecurityConfig()):
-        """static: role -> addresses; discover(role) -> list of addresses (Redis registry) or None. A worker is
-        healthy while its polls succeed: one that dies (or drains) drops out within refresh_s, one that comes back
-        at a known address (static, or registered again in Redis) rejoins at the next poll."""
+    def __init__(self, static: dict[str, list[str]], discover=None, health: HealthConfig = HealthConfig(),
+                 security: SecurityConfig = SecurityConfig(), on_down=None):
+        """static: role -> addresses; discover(role) -> list of addresses (Redis registry) or None. Who is healthy:
+        see HealthConfig. One that comes back at a known address (static, or registered again in Redis) rejoins at
+        the next check. on_down(worker, reason) is called when a worker is taken out of routing (for a metric)."""
         self.workers: dict[str, Worker] = {}
-        self._static, self._discover, self.refresh_s = static, discover, refresh_s
+        self._static, self._discover, self.health = static, discover, health
+        self.refresh_s = health.interval_s
+        self._on_down = on_down
         self.security = security
         self.metadata = security.internal_metadata()  # sent with every call to a worker
         for role, addresses in static.items():
@@ -73,7 +121,41 @@ class WorkerPool:
         """Re-check workers now (a call to them just failed): a dead one is out of rotation at once, not at the
         next refresh."""
         for w in workers:
-            asyncio.ensure_future(self._poll(w))
+            if not w.polling:
+                asyncio.ensure_future(self._poll(w))
+
+    async def wait_for(self, roles: tuple[str, ...], until: float) -> bool:
+        """Wait until every role has a healthy worker, or the monotonic time `until`; True if they have."""
+        while not all(self.of_role(r) for r in roles):
+            if time.monotonic() >= until:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def mark_down(self, w: Worker, kind: str, detail: str) -> None:
+        """Out of routing. kind: refused, missed_checks or stalled (a metric label); detail: for the log and the
+        requests' status. A frozen or stalled worker's requests are told (Worker.down) and end at once; a refused
+        check leaves them be: a dead worker's streams fail by themselves, a draining one's finish."""
+        if w.healthy:
+            log.warning("%s worker %s is out of routing: %s", w.role, w.address, detail)
+            w.down_reason = detail
+            if kind != "refused":
+                w.down.set()
+            if self._on_down is not None:
+                self._on_down(w, kind)
+        w.healthy = False
+        w.info = None  # it may come back as a different process
+
+    def check_progress(self, now: Optional[float] = None) -> None:
+        """A decode worker whose decoding requests (ours) have received nothing for progress_s is stalled."""
+        now = time.monotonic() if now is None else now
+        for w in list(self.workers.values()):
+            if w.healthy and w.decoding > 0 and now - w.last_message > self.health.progress_s:
+                self.mark_down(w, "stalled", f"no token for {now - w.last_message:.1f} s on {w.decoding} decoding requests")
+
+    def seen(self, w: Worker) -> None:
+        """A message from w reached one of our requests."""
+        w.last_message = time.monotonic()
 
     async def start(self) -> None:
         await self.refresh()
@@ -89,6 +171,7 @@ class WorkerPool:
         while True:
             await asyncio.sleep(self.refresh_s)
             try:
+                self.check_progress()
                 await self.refresh()
             except Exception:  # never let a refresh error end the loop
                 log.exception("refreshing workers failed")
@@ -110,16 +193,31 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
 
     async def _poll(self, w: Worker) -> None:
+        if w.polling:  # one check at a time per worker, so that one slow check counts as one miss
+            return
+        w.polling = True
+        timeout = self.health.check_timeout_s
         try:
             if w.info is None:
-                w.info = await w.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=2.0, metadata=self.metadata)
-            w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=2.0, metadata=self.metadata)
-            w.healthy, w.last_ok = True, time.monotonic()
+                w.info = await w.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=timeout,
+                                                    metadata=self.metadata)
+            w.load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
-            if w.healthy:
-                log.warning("%s worker %s unreachable: %s", w.role, w.address, e.code().name)
-            w.healthy = False
-            w.info = None  # it may come back as a different process
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # slow or frozen: down only after `misses` in a row
+                w.misses += 1
+                if w.misses >= self.health.misses or not w.healthy:
+                    self.mark_down(w, "missed_checks", f"{w.misses} health checks in a row took over {timeout:g} s")
+            else:  # refused, draining, or refusing our token: out at once
+                self.mark_down(w, "refused", f"health check failed: {e.code().name}")
+            return
+        finally:
+            w.polling = False
+        w.misses = 0
+        if not w.healthy:
+            log.info("%s worker %s is in routing", w.role, w.address)
+            w.down.clear()
+            w.last_message = time.monotonic()  # the stall clock starts again
+        w.healthy, w.last_ok = True, time.monotonic()
 
 
 def _rotate_best(workers: list[Worker], key, turn: int) -> Optional[Worker]:

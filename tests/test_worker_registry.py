@@ -8,7 +8,9 @@ import time
 import pytest
 from redis_server import redis_fixture
 
-from pdserve.cluster.worker_registry import RegistryUnavailable, WorkerRegistration, discover_workers, worker_key
+from pdserve.cluster.worker_registry import (
+    RegistryUnavailable, WorkerRegistration, discover_workers, registration_problem, sign_registration, worker_key,
+)
 
 redis_server = redis_fixture()
 
@@ -119,3 +121,34 @@ def test_start_while_redis_is_down_registers_once_it_is_up(redis_server):
         wait_until(lambda: discover_workers(redis_server.url, "decode", "t") == [DECODE], 1.5)
     finally:
         reg.stop()
+
+
+def test_signed_registrations_and_what_a_router_refuses(redis_server):
+    """With a secret, heartbeats sign the entry; discovery with the secret returns it and refuses (naming why)
+    an unsigned entry, one whose address was changed, one signed with another secret, and a stale copy."""
+    reg = WorkerRegistration(redis_server.url, key_prefix="t", secret="s3cret").start(DECODE)
+    c = redis_server.client()
+    signed = json.loads(c.get("t:worker:decode:d0"))
+    assert {k: signed[k] for k in DECODE} == DECODE and registration_problem(signed, "s3cret") is None
+    forged = {
+        "t:worker:decode:zz-unsigned": {"worker_id": "zz-unsigned", "role": "decode", "address": "10.6.6.6:1"},
+        "t:worker:decode:zz-moved": {**signed, "worker_id": "zz-moved", "address": "10.6.6.6:2"},
+        "t:worker:decode:zz-other-key": sign_registration({**DECODE, "worker_id": "zz-other-key"}, "guess"),
+        "t:worker:decode:zz-stale": sign_registration({**DECODE, "worker_id": "zz-stale"}, "s3cret",
+                                                      now=time.time() - 120),
+    }
+    for key, info in forged.items():
+        c.set(key, json.dumps(info), px=60000)
+    rejected = []
+    found = discover_workers(c, "decode", "t", secret="s3cret", on_rejected=lambda k, why, _: rejected.append(
+        (k, why)))
+    assert [w["worker_id"] for w in found] == ["d0"]
+    assert sorted(rejected) == [("t:worker:decode:zz-moved", "signature"), ("t:worker:decode:zz-other-key",
+                                                                         "signature"),
+                                ("t:worker:decode:zz-stale", "expired"), ("t:worker:decode:zz-unsigned", "unsigned")]
+    # Without a secret nothing can be told apart: every entry is used (the README says what that means).
+    assert len(discover_workers(c, "decode", "t")) == 5
+    # A copy of the real entry is the real worker's address, and it stops verifying once it is old.
+    assert registration_problem(signed, "s3cret", now=signed["signed_at"] + 31) == "expired"
+    reg.stop()
+    c.close()

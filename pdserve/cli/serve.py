@@ -105,12 +105,13 @@ def _identity(args, role: str, port: int):
     return WorkerIdentity(args.worker_id or new_worker_id(role), role, f"{host}:{port}")
 
 
-def _serve_metrics(metrics, port: Optional[int]) -> Optional[int]:
+def _serve_metrics(metrics, port: Optional[int], host: str) -> Optional[int]:
+    """On the process's own --host: a worker kept on loopback keeps its metrics there too."""
     if port is None:
         return None
     from pdserve.serving.metrics import serve_metrics
 
-    return serve_metrics(metrics, port)
+    return serve_metrics(metrics, port, host)
 
 
 def _register(args, worker, role: str, metrics_port: Optional[int]):
@@ -118,7 +119,8 @@ def _register(args, worker, role: str, metrics_port: Optional[int]):
         return None
     from pdserve.cluster.worker_registry import WorkerRegistration
 
-    reg = WorkerRegistration(args.redis_url)
+    # Signed with the internal token, so that routers can tell this entry from a forged one.
+    reg = WorkerRegistration(args.redis_url, secret=args.internal_token)
     reg.start({"worker_id": worker.identity.worker_id, "role": role, "address": worker.identity.address,
                "metrics_port": metrics_port})
     return reg
@@ -159,7 +161,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         worker.identity = dataclasses.replace(worker.identity, address=_identity(args, "prefill", port).address)
-        mport = _serve_metrics(metrics, args.metrics_port)
+        mport = _serve_metrics(metrics, args.metrics_port, args.host)
         if args.redis_url:
             from pdserve.cluster.ownership import RedisOwnership
 
@@ -205,7 +207,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         worker.identity = dataclasses.replace(worker.identity, address=_identity(args, "decode", port).address)
-        mport = _serve_metrics(metrics, args.metrics_port)
+        mport = _serve_metrics(metrics, args.metrics_port, args.host)
         state["registration"] = _register(args, worker, "decode", mport)
         _say(f"decode worker {worker.identity.worker_id} serving on {worker.identity.address}, KV receiver on "
              f"{worker.receiver.endpoint}" + (f", metrics on :{mport}" if mport else "")
@@ -232,6 +234,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) on this port, same host and process (0 = a free one; default: off)")
+    hg = p.add_argument_group("worker health (see README, Reliability and security)")
+    hg.add_argument("--health-check-interval", type=float, default=1.0, metavar="S",
+                    help="seconds between load/health checks of each worker (default 1)")
+    hg.add_argument("--health-check-timeout", type=float, default=1.0, metavar="S",
+                    help="a check slower than this is a miss (default 1)")
+    hg.add_argument("--health-check-misses", type=int, default=2, metavar="N",
+                    help="consecutive missed checks before a worker is out of routing and its requests end with "
+                         "UNAVAILABLE (default 2; a refused check takes it out at once)")
+    hg.add_argument("--progress-timeout", type=float, default=5.0, metavar="S",
+                    help="a decode worker that streams nothing for this long to requests that are decoding on it "
+                         "is out of routing (default 5)")
+    hg.add_argument("--wait-for-worker", type=float, default=5.0, metavar="S",
+                    help="a request that finds no healthy worker waits this long (within its deadline) for one "
+                         "before UNAVAILABLE (default 5)")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-new-tokens-limit", type=int, default=None, metavar="N",
                      help="refuse requests asking for more new tokens (default: only the model's context bounds it)")
@@ -239,6 +255,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                      help="requests in flight before new ones get RESOURCE_EXHAUSTED (default 1024)")
     lim.add_argument("--max-request-bytes", type=int, default=16 << 20, metavar="B",
                      help="largest request message accepted (default 16 MiB)")
+    lim.add_argument("--tokenize-threads", type=int, default=2, metavar="N",
+                     help="long text prompts tokenized at once, off the event loop (default 2)")
     add_reliability_args(p, internal_server=False).add_argument(
         "--api-key", action="append", default=[], metavar="KEY",
         help="require 'authorization: Bearer KEY' from clients (repeatable: any of the keys)")
@@ -249,7 +267,7 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
     from pdserve.serving.metrics import Metrics
     from pdserve.cluster.ownership import OWNERSHIP_STORES
     from pdserve.router.server import Router, RouterConfig, start_router
-    from pdserve.router.workers import WorkerPool
+    from pdserve.router.workers import HealthConfig, WorkerPool
     from pdserve.common.tokenizer import Tokenizer
 
     metrics = Metrics.create("router")
@@ -258,10 +276,21 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
         from pdserve.cluster.worker_registry import RegistryUnavailable, discover_workers
 
         client = redis_client(args.redis_url)
+        secret = getattr(args, "internal_token", None)
+        warned: dict[str, float] = {}
+
+        def rejected(key: str, reason: str, info: dict) -> None:
+            # Never dialled, so never sent the token. One warning per entry a minute: the check runs every second.
+            metrics.count(metrics.registrations_rejected, reason=reason)
+            if time.monotonic() - warned.get(key, -60.0) >= 60.0:
+                warned[key] = time.monotonic()
+                log.warning("ignoring worker registration %s (%s): %s, address %r", key, info.get("worker_id"),
+                            {"unsigned": "not signed", "signature": "signature does not verify with "
+                             "--internal-token", "expired": "signed too long ago"}[reason], info.get("address"))
 
         def discover(role: str):
             try:
-                return [w["address"] for w in discover_workers(client, role)]
+                return [w["address"] for w in discover_workers(client, role, secret=secret, on_rejected=rejected)]
             except RegistryUnavailable:  # Redis away: keep the workers we know
                 metrics.count(metrics.redis_errors)
                 return None
@@ -269,13 +298,19 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
     else:
         discover = None
         ownership = OWNERSHIP_STORES.get("memory")()
-    pool = WorkerPool({"prefill": args.prefill, "decode": args.decode}, discover, security=security_from_args(args))
+    health = HealthConfig(getattr(args, "health_check_interval", 1.0), getattr(args, "health_check_timeout", 1.0),
+                          getattr(args, "health_check_misses", 2), getattr(args, "progress_timeout", 5.0),
+                          getattr(args, "wait_for_worker", 5.0))
+    pool = WorkerPool({"prefill": args.prefill, "decode": args.decode}, discover, health=health,
+                      security=security_from_args(args),
+                      on_down=lambda w, kind: metrics.count(metrics.workers_down, reason=kind))
     tokenizer = Tokenizer.from_model_dir(args.model) if args.model else None
     # getattr: `pdserve up` builds these arguments itself and sets only the basic ones.
     config = RouterConfig(args.host, args.port, args.balance_threshold, records_ownership=not args.redis_url,
                           max_new_tokens_limit=getattr(args, "max_new_tokens_limit", None),
                           max_concurrent_requests=getattr(args, "max_concurrent_requests", 1024),
-                          max_request_bytes=getattr(args, "max_request_bytes", 16 << 20))
+                          max_request_bytes=getattr(args, "max_request_bytes", 16 << 20),
+                          tokenize_threads=getattr(args, "tokenize_threads", 2))
     router = Router(config, pool, ownership, metrics, tokenizer)
     server, port = await start_router(router)
     http = None
@@ -285,7 +320,7 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
         http, http_port = await start_openai_http(
             router, OpenAIHttpConfig(args.host, args.http_port, args.model, security=pool.security),
             drain=server._pdserve_drain)  # one drain for both fronts: SIGTERM waits for HTTP requests too
-    mport = _serve_metrics(metrics, args.metrics_port)
+    mport = _serve_metrics(metrics, args.metrics_port, args.host)
     _say(f"router serving pdserve.v1.Generation on {args.host}:{port} with "
          f"{len(pool.of_role('prefill'))} prefill and {len(pool.of_role('decode'))} decode workers"
          + (f", OpenAI HTTP on :{http_port}" if http else "") + (f", metrics on :{mport}" if mport else ""))

@@ -4,14 +4,24 @@ Key layout: `{prefix}:worker:{role}:{worker_id}` = JSON of the worker's info (at
 written with a TTL of ttl_s and rewritten every ttl_s / 3 by a heartbeat thread. A worker that dies stops writing
 and drops out of discovery within ttl_s; one that shuts down cleanly deletes its key at once. Because every heartbeat
 is a full SET, a Redis restart (which loses the data when persistence is off) heals within one heartbeat.
+
+Trust: anyone who can write to Redis can write such a key. With a secret (the `--internal-token`), every heartbeat
+signs its entry: `signed_at` (unix seconds) and `signature` = HMAC-SHA256(secret, the entry's other fields as
+canonical JSON). A router given the same secret uses only entries whose signature verifies and whose `signed_at` is
+within `max_age_s` of its clock, so a forged entry is ignored (the router never dials it, hence never sends it the
+token) and a copied one stops working after max_age_s. Without a secret nothing can be verified: whoever writes to
+Redis decides where the router sends prompts.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
-from typing import Optional, Union
+import time
+from typing import Callable, Optional, Union
 
 import redis
 
@@ -19,6 +29,7 @@ from .ownership import REDIS_ERRORS, redis_client
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
+SIGNATURE_MAX_AGE_S = 30.0  # a signed entry older (or newer) than this by the reader's clock is refused
 
 
 class RegistryUnavailable(RuntimeError):
@@ -29,16 +40,46 @@ def worker_key(key_prefix: str, role: str, worker_id: str) -> str:
     return f"{key_prefix}:worker:{role}:{worker_id}"
 
 
+def _mac(secret: str, fields: dict) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret.encode(), b"pdserve-worker-registration\0" + canonical, hashlib.sha256).hexdigest()
+
+
+def sign_registration(info: dict, secret: str, now: Optional[float] = None) -> dict:
+    """info with `signed_at` and `signature` (HMAC-SHA256 keyed by secret over everything else) added."""
+    fields = {k: v for k, v in info.items() if k not in ("signed_at", "signature")}
+    fields["signed_at"] = time.time() if now is None else now
+    return {**fields, "signature": _mac(secret, fields)}
+
+
+def registration_problem(info: dict, secret: str, now: Optional[float] = None,
+                         max_age_s: float = SIGNATURE_MAX_AGE_S) -> Optional[str]:
+    """None when info is signed with secret and fresh; else why not: "unsigned", "signature" or "expired"."""
+    signature, signed_at = info.get("signature"), info.get("signed_at")
+    if not isinstance(signature, str) or not isinstance(signed_at, (int, float)) or isinstance(signed_at, bool):
+        return "unsigned"
+    fields = {k: v for k, v in info.items() if k != "signature"}
+    if not hmac.compare_digest(signature.encode(), _mac(secret, fields).encode()):
+        return "signature"
+    now = time.time() if now is None else now
+    if abs(now - signed_at) > max_age_s:
+        return "expired"
+    return None
+
+
 class WorkerRegistration:
     """Keeps one worker registered while it runs: `start(info)` once serving, `stop()` on shutdown.
 
     Never raises for Redis trouble: registration is retried on every heartbeat, with one warning per outage.
     """
 
-    def __init__(self, redis_url: str, key_prefix: str = "pdserve", ttl_s: float = 5.0, socket_timeout: float = 0.5):
+    def __init__(self, redis_url: str, key_prefix: str = "pdserve", ttl_s: float = 5.0, socket_timeout: float = 0.5,
+                 secret: Optional[str] = None):
+        """secret: the internal token; every heartbeat then signs the entry (see the module docstring)."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s={ttl_s} must be positive")
-        self.key_prefix, self.ttl_s = key_prefix, ttl_s
+        self.key_prefix, self.ttl_s, self._secret = key_prefix, ttl_s, secret
+        self._info: dict = {}
         self.key: Optional[str] = None
         self._redis = redis_client(redis_url, socket_timeout)
         self._payload = ""
@@ -56,7 +97,7 @@ class WorkerRegistration:
         if self._thread is not None:
             raise RuntimeError(f"registration {self.key} was already started")
         self.key = worker_key(self.key_prefix, info["role"], info["worker_id"])
-        self._payload = json.dumps(info)
+        self._info = dict(info)
         self._beat()  # before returning, so a router discovers the worker as soon as start() is done
         self._thread = threading.Thread(target=self._heartbeat, name=f"registry-heartbeat-{info['worker_id']}",
                                         daemon=True)
@@ -64,8 +105,10 @@ class WorkerRegistration:
         return self
 
     def _beat(self) -> None:
+        # Signed afresh on every beat: the router refuses entries signed more than SIGNATURE_MAX_AGE_S ago.
+        info = sign_registration(self._info, self._secret) if self._secret else self._info
         try:
-            self._redis.set(self.key, self._payload, px=max(1, int(self.ttl_s * 1000)))
+            self._redis.set(self.key, json.dumps(info), px=max(1, int(self.ttl_s * 1000)))
         except REDIS_ERRORS as e:
             if not self._failing:
                 log.warning("cannot register %s in Redis, retrying every %.1f s: %s", self.key, self.ttl_s / 3, e)
@@ -98,11 +141,14 @@ def _glob_escape(text: str) -> str:
 
 
 def discover_workers(redis_or_url: Union[str, redis.Redis], role: str, key_prefix: str = "pdserve",
-                     socket_timeout: float = 0.5) -> list[dict]:
+                     socket_timeout: float = 0.5, secret: Optional[str] = None,
+                     on_rejected: Optional[Callable[[str, str, dict], None]] = None) -> list[dict]:
     """Info dicts of the registered workers of `role`, sorted by worker_id; malformed entries are skipped.
 
-    Pass a client to reuse its connections when polling; a URL opens and closes one per call. Uses SCAN (never
-    KEYS, which blocks Redis). Raises RegistryUnavailable when Redis cannot be reached."""
+    With `secret`, only entries signed with it and fresh are returned; each other one is passed to
+    on_rejected(key, reason, info) (reason: "unsigned", "signature", "expired"). Pass a client to reuse its
+    connections when polling; a URL opens and closes one per call. Uses SCAN (never KEYS, which blocks Redis).
+    Raises RegistryUnavailable when Redis cannot be reached."""
     if role not in ROLES:
         raise ValueError(f"role={role!r} must be one of {', '.join(ROLES)}")
     own = isinstance(redis_or_url, str)
@@ -125,6 +171,11 @@ def discover_workers(redis_or_url: Union[str, redis.Redis], role: str, key_prefi
             info = None
         if not isinstance(info, dict) or not isinstance(info.get("address"), str) or not info.get("worker_id"):
             log.debug("skipping malformed worker registration %r", key)
+            continue
+        problem = registration_problem(info, secret) if secret else None
+        if problem is not None:
+            if on_rejected is not None:
+                on_rejected(key.decode(errors="replace") if isinstance(key, bytes) else str(key), problem, info)
             continue
         workers.append(info)
     return sorted(workers, key=lambda w: str(w["worker_id"]))

@@ -42,6 +42,7 @@ class Tokenizer:
         extra_eos_token_ids: Sequence[int] = (),
     ):
         self._tok = tok
+        self._max_token_chars: Optional[int] = None
         self.add_bos_token = add_bos_token
         self._bos_id = None if bos_token is None else self._id_of(bos_token, "bos_token")
         self._eos_ids = frozenset([self._id_of(t, "eos_token") for t in eos_tokens] + list(extra_eos_token_ids))
@@ -76,14 +77,18 @@ class Tokenizer:
             raise ValueError(f"{field} {token!r} from tokenizer_config.json is not in the tokenizer's vocabulary")
         return tid
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with bos prepended when add_bos_token is set.
+    def encode(self, text: str, release_gil: bool = False) -> list[int]:
+        """Token ids of `text`, with bos prepended when add_bos_token is set. release_gil: let other Python threads
+        (an event loop) run meanwhile, for long texts encoded on a worker thread.
 
         Special-token strings in the text (e.g. a chat template's own bos) are parsed as special tokens; bos is
         not prepended a second time when the text already starts with it.
         """
         # NOTE: add_special_tokens=False so a post-processor in tokenizer.json cannot add a second bos.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if release_gil:  # encode_batch runs without the GIL; encode holds it for the whole text
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos_token and (not ids or ids[0] != self._bos_id):
             ids.insert(0, self._bos_id)
         return ids
@@ -98,6 +103,14 @@ class Tokenizer:
     @property
     def bos_token_id(self) -> Optional[int]:
         return self._bos_id
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters in the longest token of the vocabulary (added tokens included): a text longer than this times
+        n tokens cannot encode to fewer than n tokens (before normalization)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     @property
     def vocab_size(self) -> int:

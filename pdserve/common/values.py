@@ -14,6 +14,10 @@ from typing import Any, Optional
 FINISH_STOP = "stop"  # eos (unless ignore_eos), a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens reached
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# What the wire types of generate.proto's SamplingParams hold: larger values cannot be sent to a worker, so they are
+# refused here, naming the field, instead of failing later as protobuf's "Value out of range".
+INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -34,22 +38,23 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+        if not 1 <= self.max_new_tokens <= UINT32_MAX:
+            raise ValueError(f"max_new_tokens must be in [1, {UINT32_MAX}], got {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}")
+        if not -1 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be in [1, {INT32_MAX}], or 0 / -1 to disable, got {self.top_k}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed}")
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError(f"stop must contain only non-empty strings, got {stop!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t <= UINT32_MAX]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad[:5]!r}")
 
     @property
     def is_greedy(self) -> bool:

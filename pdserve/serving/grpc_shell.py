@@ -41,12 +41,14 @@ def exhausted(message: str) -> ServiceError:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, err: BaseException) -> None:
-    """Map an exception to a status: ServiceError keeps its code, ValueError is INVALID_ARGUMENT, else INTERNAL."""
+    """Map an exception to a status: ServiceError keeps its code, ValueError is INVALID_ARGUMENT, else INTERNAL
+    (whose Python text goes to the log, never to the caller)."""
     if isinstance(err, ServiceError):
         await context.abort(err.code, str(err))
     if isinstance(err, ValueError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+    log.error("internal error: %r", err, exc_info=err)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error (the server's log has the details)")
 
 
 def deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -111,6 +113,92 @@ class Drain(grpc.aio.ServerInterceptor):
         return _same_kind(handler, unary)
 
 
+class MessageGuard(grpc.aio.ServerInterceptor):
+    """Parses request messages itself, so that bytes which are not a valid message (a string field holding invalid
+    UTF-8, corrupt bytes) end with INVALID_ARGUMENT naming the message type, not UNKNOWN carrying protobuf's text;
+    and refuses a message that sets two members of one oneof (protobuf would keep the last one silently)."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        parse = getattr(handler, "request_deserializer", None)
+        if handler is None or handler.request_streaming or parse is None:
+            return handler
+        inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+
+        async def checked(raw: bytes, context) -> object:
+            problem = None
+            try:
+                request = parse(raw)
+            except Exception:  # protobuf's DecodeError, or anything a custom deserializer raises
+                what = descriptor.full_name if descriptor is not None else "request"
+                problem = (f"the request is not a valid {what} message: a string field holds invalid UTF-8, or the "
+                           "bytes are corrupt")
+            else:
+                problem = _oneof_set_twice(descriptor, raw)
+            if problem is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return request
+
+        if handler.response_streaming:
+            async def streaming(raw, context):
+                request = await checked(raw, context)
+                async for msg in inner(request, context):
+                    yield msg
+            behavior = streaming
+        else:
+            async def unary(raw, context):
+                return await inner(await checked(raw, context), context)
+            behavior = unary
+        kinds = {True: grpc.unary_stream_rpc_method_handler, False: grpc.unary_unary_rpc_method_handler}
+        return kinds[handler.response_streaming](behavior, request_deserializer=None,
+                                                 response_serializer=handler.response_serializer)
+
+
+def _oneof_set_twice(descriptor, raw: bytes) -> Optional[str]:
+    """'prompt: give exactly one of text or tokenized' when the top-level fields of `raw` (a valid message) set two
+    members of one oneof; None otherwise. Walks only the top-level tags: a 16 MB text field is one step."""
+    if descriptor is None or not descriptor.oneofs:
+        return None
+    seen, i, n = set(), 0, len(raw)
+
+    def varint() -> int:
+        nonlocal i
+        value, shift = 0, 0
+        while True:
+            b = raw[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            if b < 0x80:
+                return value
+            shift += 7
+
+    try:
+        while i < n:
+            tag = varint()
+            seen.add(tag >> 3)
+            wire = tag & 7
+            if wire == 0:
+                varint()
+            elif wire == 1:
+                i += 8
+            elif wire == 2:
+                length = varint()  # NOTE: not `i += varint()`, which would add to i as it was before the call
+                i += length
+            elif wire == 5:
+                i += 4
+            else:
+                return None  # groups: not used by pdserve's protos
+    except IndexError:
+        return None  # parsed fine a moment ago: nothing to add
+    for oneof in descriptor.oneofs:
+        given = [f.name for f in oneof.fields if f.number in seen]
+        if len(given) > 1:
+            return (f"{oneof.name}: give exactly one of {' or '.join(f.name for f in oneof.fields)} "
+                    f"(got {' and '.join(given)})")
+    return None
+
+
 def create_server(host: str, port: int, service_names: Iterable[str],
                   add_servicers: Callable[[grpc.aio.Server], None], *, options: Optional[Sequence[tuple]] = None,
                   interceptors: Sequence[grpc.aio.ServerInterceptor] = (), drain: Optional[Drain] = None,
@@ -119,7 +207,9 @@ def create_server(host: str, port: int, service_names: Iterable[str],
     bound port); port 0 picks a free one. `interceptors` run first (authentication), then `drain`; with
     `credentials` the port speaks TLS."""
     drain = drain or Drain()
-    server = grpc.aio.server(options=list(options or CHANNEL_OPTIONS), interceptors=[*interceptors, drain])
+    # MessageGuard last (innermost): the handlers of the others pass the raw bytes through to it.
+    server = grpc.aio.server(options=list(options or CHANNEL_OPTIONS),
+                             interceptors=[*interceptors, drain, MessageGuard()])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -142,10 +232,16 @@ async def start_serving(server: grpc.aio.Server) -> None:
         await h.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+DRAIN_NOTICE_S = 1.0  # on SIGTERM, the port keeps answering NOT_SERVING at least this long (capped by grace_s)
+
+
 async def serve_until_signal(server: grpc.aio.Server, grace_s: float,
-                             on_stop: Optional[Callable[[], Awaitable[None]]] = None) -> None:
+                             on_stop: Optional[Callable[[], Awaitable[None]]] = None,
+                             notice_s: float = DRAIN_NOTICE_S) -> None:
     """Run until SIGTERM/SIGINT, then drain: health reports NOT_SERVING, new work is refused with UNAVAILABLE,
-    work in flight gets up to grace_s to finish; then the server stops (cancelling what is left) and on_stop runs."""
+    work in flight gets up to grace_s to finish; then the server stops (cancelling what is left) and on_stop runs.
+    NOTE: the port stays open answering NOT_SERVING for min(notice_s, grace_s) even when nothing is in flight, so
+    that health checkers and routers polling it see the drain instead of a closed port."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -155,8 +251,9 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float,
     await server._pdserve_health.enter_graceful_shutdown()  # type: ignore[attr-defined]
     drain: Drain = server._pdserve_drain  # type: ignore[attr-defined]
     drain.draining = True
-    deadline = time.monotonic() + grace_s
-    while drain.in_flight and time.monotonic() < deadline:
+    start = time.monotonic()
+    deadline, notice_end = start + grace_s, start + min(notice_s, grace_s)
+    while (drain.in_flight or time.monotonic() < notice_end) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if drain.in_flight:
         log.warning("drain timeout (%.0f s) reached with %d calls in flight: cancelling them", grace_s,

@@ -36,6 +36,8 @@ class Metrics:
     transfer_failures: Counter
     router_decisions: Counter  # by reason: prefix_hit, load
     redis_errors: Counter
+    registrations_rejected: Counter  # router: Redis worker entries refused (by reason: signature, expired, unsigned)
+    workers_down: Counter  # router: workers taken out of routing (by reason: refused, missed_checks, stalled)
     spec_accept_length: Histogram  # speculative decoding: tokens emitted per verification row that drafted
     spec_draft_seconds: Histogram  # per round: the MTP draft chain and the draft extend
     spec_verify_seconds: Histogram  # per round: the target's verification forward and acceptance
@@ -73,6 +75,10 @@ class Metrics:
             transfer_failures=counter("pdserve_kv_transfer_failures", "Requests whose KV transfer failed", ["kind"]),
             router_decisions=counter("pdserve_router_decisions", "Prefill worker choices by reason", ["reason"]),
             redis_errors=counter("pdserve_redis_errors", "Failed Redis calls (routing degrades to load only)"),
+            registrations_rejected=counter("pdserve_worker_registrations_rejected",
+                                           "Worker entries in Redis the router refused to use (forged or stale)",
+                                           ["reason"]),
+            workers_down=counter("pdserve_workers_down", "Workers the router took out of routing", ["reason"]),
             spec_accept_length=hist("pdserve_spec_accept_length",
                                     "Speculative decoding: tokens per verification row (accepted drafts + 1)",
                                     ACCEPT_LENGTH_BUCKETS),
@@ -106,8 +112,9 @@ class SpecMetrics:
 _server_lock = threading.Lock()
 
 
-def serve_metrics(metrics: Metrics, port: int, host: str = "0.0.0.0") -> int:
-    """Serve /metrics over HTTP; port 0 picks a free port. Returns the port."""
+def serve_metrics(metrics: Metrics, port: int, host: str = "127.0.0.1") -> int:
+    """Serve /metrics over HTTP on host (the process's own --host: a worker kept on loopback keeps its metrics
+    there too); port 0 picks a free port. Returns the port."""
     with _server_lock:
         server, _ = start_http_server(port, addr=host, registry=metrics.registry)
     return server.server_port

@@ -1,0 +1,83 @@
+"""A frozen decode worker (SIGSTOP, real processes) under load: every request it holds ends (tokens or UNAVAILABLE)
+within the router's detection time plus a margin, whatever the client's deadline; new requests go to the other decode
+worker meanwhile; after SIGCONT it rejoins by itself and is left holding nothing."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from stack import load, start_stack, wait_idle
+from test_faults import one, requests_finished
+from test_serving_redis import counters
+
+pytestmark = pytest.mark.slow
+# The router's defaults: 2 missed checks of 1 s, 1 s apart (HealthConfig.frozen_detect_s = 4 s).
+DETECT_S = 4.0
+MARGIN_S = 4.0  # two shared CPU cores
+NO_DEADLINE = 120.0  # as good as none: the issue's clients waited as long as the worker stayed frozen
+
+
+def test_frozen_decode_worker_fails_over_and_rejoins(tiny_v3_dir, tmp_path):
+    stack = start_stack(tiny_v3_dir, tmp_path, n_prefill=1, n_decode=2)
+    try:
+        address, victim, survivor = stack.router.address, stack.decode[0], stack.decode[1]
+        results: list[tuple[float, float, str, int]] = []  # (start, end, status, tokens)
+        stop = threading.Event()
+
+        def client(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                start = time.monotonic()
+                status, tokens, seconds = one(address, [10 + i, 11 + n % 50, 12, 13], 150, timeout=NO_DEADLINE)
+                results.append((start, start + seconds, status, tokens))
+                n += 1
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(client, i) for i in range(8)]
+            deadline = time.monotonic() + 20
+            while load(victim).num_running_requests == 0:
+                assert time.monotonic() < deadline, "the victim never ran requests"
+                time.sleep(0.05)
+            victim.popen.send_signal(signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            try:
+                time.sleep(DETECT_S + MARGIN_S + 4.0)  # then the survivor alone serves for a while
+            finally:
+                victim.popen.send_signal(signal.SIGCONT)
+            resumed_at = time.monotonic()
+            finished_before = requests_finished(victim)
+            time.sleep(3.0)
+            stop.set()
+            for f in futures:
+                f.result()
+        statuses = {status for *_, status, _ in results}
+        assert statuses <= {"OK", "UNAVAILABLE"}, statuses
+        held = [r for r in results if r[0] < frozen_at < r[1]]
+        assert held, "no request was in flight when the worker froze"
+        late = [r for r in held if r[1] > frozen_at + DETECT_S + MARGIN_S]
+        assert not late, (f"{len(late)} of {len(held)} requests in flight at SIGSTOP ended "
+                          f"{max(r[1] for r in late) - frozen_at:.1f} s after it (limit {DETECT_S + MARGIN_S} s)")
+        print(f"{len(held)} requests in flight at SIGSTOP: all ended within "
+              f"{max(r[1] for r in held) - frozen_at:.1f} s; "
+              f"{sum(r[2] == 'UNAVAILABLE' for r in results)} UNAVAILABLE in all")
+        # While it stayed frozen, requests started after the failover went through the survivor.
+        served = [r for r in results if r[0] > frozen_at + DETECT_S + MARGIN_S and r[1] < resumed_at
+                  and r[2] == "OK"]
+        assert len(served) >= 4, f"only {len(served)} requests completed while the worker was frozen"
+        down = counters(stack.router, "pdserve_workers_down_total", "reason")
+        assert down.get("missed_checks", 0) + down.get("stalled", 0) >= 1, down
+        # After SIGCONT it rejoins by itself and holds nothing from the requests it was cut off from.
+        deadline = time.monotonic() + 20
+        while requests_finished(victim) == finished_before:
+            assert time.monotonic() < deadline, "the resumed decode worker did not rejoin"
+            assert one(address, [30, 31, 32], 4)[0] == "OK"
+        for proc in (victim, survivor):
+            idle = wait_idle(proc, 10)
+            assert idle.num_free_pages == idle.num_total_pages and idle.num_transferring == 0, (proc.address, idle)
+    finally:
+        stack.stop()
