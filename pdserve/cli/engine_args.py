@@ -25,6 +25,12 @@ def moe_backend_names() -> list[str]:
     return ["auto", *MOE_BACKENDS.names()]
 
 
+def gemm_backend_names() -> list[str]:
+    from pdserve.kernels import GEMM_BACKENDS
+
+    return ["auto", *GEMM_BACKENDS.names()]
+
+
 class UsageError(Exception):
     pass
 
@@ -50,7 +56,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "before every graphed step), else flashinfer, then triton, whichever is installed; torch on "
                         "CPU")
     g.add_argument("--moe-backend", default="auto", choices=LazyChoices(moe_backend_names),
-                   help="auto = deep_gemm or triton on a GPU when installed, torch on CPU")
+                   help="auto, on a GPU: deep_gemm where its probe passes (batches up to 1536 tokens run the Triton "
+                        "MoE inside it), else triton; torch on CPU. A backend that cannot run here exits 2 with the "
+                        "reason")
+    g.add_argument("--gemm-backend", default="auto", choices=LazyChoices(gemm_backend_names),
+                   help="dense (block-FP8) GEMMs: auto = deep_gemm where its probe passes, else scaled_mm, on a "
+                        "GPU; torch when the MoE backend is torch")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (to compare)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="largest decode batch captured in a CUDA graph (default 64)")
@@ -88,7 +99,8 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
     from pdserve.kernels.backends import resolve_backends
 
     graphed_decode = not prefill_only and not args.disable_cuda_graph
-    attention, moe, gemm = resolve_backends(args.attention_backend, args.moe_backend, device, graphed_decode)
+    attention, moe, gemm = resolve_backends(args.attention_backend, args.moe_backend, device, graphed_decode,
+                                            gemm=args.gemm_backend)
     return EngineConfig(
         model_dir=args.model, dtype=args.dtype, device=device, load_format=args.load_format,
         attention_backend=attention, moe_backend=moe, gemm_backend=gemm,

@@ -419,8 +419,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of `up`, forwarded to each worker process."""
     flags = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--load-format",
              args.load_format, "--attention-backend", args.attention_backend, "--moe-backend", args.moe_backend,
-             "--page-size", str(args.page_size), "--num-pages", str(args.num_pages), "--max-num-batched-tokens",
-             str(args.max_num_batched_tokens), "--max-running-requests", str(args.max_running_requests)]
+             "--gemm-backend", args.gemm_backend, "--page-size", str(args.page_size), "--num-pages",
+             str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-running-requests", str(args.max_running_requests)]
     flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     if args.speculative_algorithm:  # prefill workers accept and ignore them: only decode rows speculate
         flags += ["--speculative-algorithm", args.speculative_algorithm, "--speculative-num-steps",
