@@ -45,7 +45,6 @@ def test_forged_registrations_get_no_token_and_no_traffic(tiny_v3_dir, tmp_path)
         try:
             c = redis.client()
             real = json.loads(c.get("pdserve:worker:decode:decode-0"))
-            assert real["signature"] and real["signed_at"]
             # What the attacker wrote, and a copy of the real entry pointing elsewhere.
             c.set("pdserve:worker:decode:zz-evil", json.dumps({"worker_id": "zz-evil", "role": "decode",
                                                               "address": evil_address}), px=60000)
@@ -59,6 +58,7 @@ def test_forged_registrations_get_no_token_and_no_traffic(tiny_v3_dir, tmp_path)
                 assert len(got.output_ids) == 3
                 n += 1
             assert evil.calls == [], f"the router called the forged address: {evil.calls[:3]}"
+            assert real.get("signature") and real.get("signed_at"), f"the worker's entry is not signed: {real}"
             rejected = counters(stack.router, "pdserve_worker_registrations_rejected_total", "reason")
             assert rejected.get("unsigned", 0) >= 2 and rejected.get("signature", 0) >= 2, rejected
             log = stack.router.log()
