@@ -133,7 +133,7 @@ class DecodeWorker:
         self.aio_loop.call_soon_threadsafe(self._deliver, request_id, error)
 
     def _step_failed(self, error: BaseException) -> None:
-        err = ServiceError(grpc.StatusCode.INTERNAL, f"decode step failed: {error}")
+        err = ServiceError(grpc.StatusCode.INTERNAL, "decode step failed (the decode worker's log has the details)")
         for request_id in list(self.streams):
             self.aio_loop.call_soon_threadsafe(self._deliver, request_id, err)
 

@@ -101,7 +101,9 @@ class PrefillWorker:
         self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
 
     def _step_failed(self, error: BaseException) -> None:
-        self.deliveries.fail_all(ServiceError(grpc.StatusCode.INTERNAL, f"prefill step failed: {error}"))
+        # NOTE: the exception's text stays in the log (EngineLoop logged the traceback), never in a response.
+        self.deliveries.fail_all(ServiceError(grpc.StatusCode.INTERNAL,
+                                              "prefill step failed (the prefill worker's log has the details)"))
 
     def drain_evicted(self) -> list[bytes]:
         out, self._evicted[:] = list(self._evicted), []
