@@ -235,6 +235,7 @@ def engine_only(args) -> None:
         decode = [s for s, prefill in steps if not prefill]
         prefill_s = sum(s for s, prefill in steps if prefill)
         return {"seconds": total, "prefill_s": prefill_s, "steps": len(steps),
+                "max_step_ms": 1e3 * max(s for s, _ in steps),  # a kernel compiled in the timed run shows here
                 "decode_step_ms": 1e3 * statistics.median(decode) if decode else None,
                 "tpot_ms": 1e3 * (start + total - all_first) / (new_tokens - 1) if new_tokens > 1 else None,
                 "output_tok_s": len(prompts) * new_tokens / total,
@@ -362,7 +363,9 @@ def machine() -> dict:
                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
     except (OSError, subprocess.TimeoutExpired):
         gpu = []
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    # NOTE: BENCH_GIT_REV names the revision where the checkout's own .git does not (a copied working tree).
+    rev = os.environ.get("BENCH_GIT_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                            capture_output=True, text=True).stdout
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
     return {"gpu": gpu[0] if gpu else "none", "git": rev.strip() + ("+dirty" if dirty else ""),

@@ -25,12 +25,13 @@ from pdserve.spec_decode import SpeculativeConfig
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from stack import REPO, Proc, free_port, generate, start_stack, wait_serving
+from stack import REPO, free_port, generate, start_stack
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 # A plan with every phase (GPU-like, small): prompts of 1 token, one chunk and a chunk and a bit (chunked), several
-# prompts in one step, decode batches.
-FULL_PLAN = WarmupPlan(prompt_lens=(1, 17, 32, 49), prompt_batch=4, decode_batches=(1, 2, 4), decode_tokens=5)
+# prompts in one step, decode batches, a prompt joining decoding requests.
+FULL_PLAN = WarmupPlan(prompt_lens=(1, 17, 32, 49), prompt_batch=4, decode_batches=(1, 2, 4), decode_tokens=5,
+                       mixed=True)
 
 
 def engine_for(model_dir, speculate: bool = False) -> LLMEngine:
@@ -53,8 +54,8 @@ def test_warmup_leaves_the_engine_as_it_was(tiny_v3_dir, speculate):
     free = engine.pool.allocator.num_free
     said = []
     report = warm_up(engine, FULL_PLAN, said.append)
-    assert report.requests == 4 + 4 + 1 + 2 + 4 and report.steps > 0
-    assert len(said) == len(report.phases) == 8 and all(s.startswith("warm-up: ") for s in said)
+    assert report.requests == 4 + 4 + 1 + 2 + 4 + 3 and report.steps > 0
+    assert len(said) == len(report.phases) == 9 and all(s.startswith("warm-up: ") for s in said)
     assert not engine.has_unfinished and engine.kv_pages_in_use_by_requests() == 0
     assert engine.pool.allocator.num_free == free and engine.prefix_cache.num_cached_pages == 0
     assert [o.output_ids for o in engine.generate(PROMPTS, params)] == want

@@ -36,6 +36,9 @@ class WarmupPlan:
     prompt_batch: int = 0  # then this many short prompts admitted together: several prompts in one prefill step
     decode_batches: tuple[int, ...] = ()  # then one batch each: short prompts admitted together, then decode steps
     decode_tokens: int = 3  # new tokens per request of a decode batch (>= 2: at least one decode step)
+    # Then a prompt admitted while others decode: a step with prompt and decode rows together. Only a single-process
+    # engine runs those; a prefill worker only computes prompts, a decode worker only decodes.
+    mixed: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -84,7 +87,7 @@ def plan_for(engine: LLMEngine, role: str) -> WarmupPlan:
     width = spec.num_steps + 1 if spec.enabled else 1
     # Enough tokens that a speculative batch runs a full draft/verify round after the first one.
     return WarmupPlan(prompt_lens=tuple(lens), prompt_batch=prompt_batch, decode_batches=batches,
-                      decode_tokens=2 + 2 * width)
+                      decode_tokens=2 + 2 * width, mixed=prefills and decodes)
 
 
 def warm_up(engine: LLMEngine, plan: WarmupPlan, say: Optional[Callable[[str], None]] = None,
@@ -109,11 +112,15 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan, say: Optional[Callable[[str], N
     def prompt(n: int) -> list[int]:  # random ids: no two warm-up prompts share a cached prefix
         return [rng.randrange(low, vocab) for _ in range(n)]
 
-    def run(what: str, prompts: list[list[int]], new_tokens: int) -> None:
+    def run(what: str, prompts: list[list[int]], new_tokens: int, late: Optional[list[int]] = None) -> None:
+        """late: a prompt admitted after the first step, while the others decode."""
         t0 = time.monotonic()
         ids = []
         try:
-            for i, p in enumerate(prompts):
+            for i, p in enumerate(prompts + ([late] if late else [])):
+                if late is not None and i == len(prompts):
+                    engine.step()
+                    counter["steps"] += 1
                 # The last request of a batch samples (temperature, top-p, top-k): the sampler's other path.
                 sampled = i == len(prompts) - 1 and len(prompts) > 1
                 params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=0.8 if sampled else 0.0,
@@ -144,6 +151,9 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan, say: Optional[Callable[[str], N
                     say(f"warm-up: decode batch {b} skipped ({b * per_request} pages needed, {alloc.num_free} free)")
                 continue
             run(f"decode batch {b}", [prompt(PROMPT_ODD) for _ in range(b)], plan.decode_tokens)
+        if plan.mixed:
+            run("a prompt joining 2 decoding requests", [prompt(PROMPT_ODD) for _ in range(2)], plan.decode_tokens,
+                late=prompt(PROMPT_ODD))
     finally:
         if tier_hooks is not None:
             engine.hooks = tier_hooks
