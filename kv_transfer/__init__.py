@@ -1,7 +1,8 @@
 """pdserve.kv_transfer: moves a prompt's latent KV rows from a prefill worker into a decode worker's pages.
 
 `TRANSPORTS.get(name)` gives a `Transport(sender, receiver)` pair; `TRANSPORTS.names()` feeds the CLI choices.
-The contract is in `base.py` (`rooms.py`: the decode worker's view of it, by request id); "tcp" is in `tcp.py`, "nccl" and "gloo" in `collective.py`.
+The contract is in `base.py` (`rooms.py`: the decode worker's view of it, by request id); "tcp" is in `tcp.py`, "nccl" and "gloo" in `collective.py`,
+"cuda_ipc" and "auto" (cuda_ipc where the peers can map each other's memory, tcp otherwise) in `cuda_ipc.py`.
 """
 
 from .base import (
@@ -11,10 +12,11 @@ from .base import (
 from .rooms import RequestReceiver
 from .collective import GlooKVReceiver, GlooKVSender, NcclKVReceiver, NcclKVSender
 from .tcp import TcpKVReceiver, TcpKVSender, TcpSendHandle
+from .cuda_ipc import AutoKVReceiver, AutoKVSender, CudaIpcKVReceiver, CudaIpcKVSender
 
 __all__ = [
     "ERROR_KINDS", "TRANSPORTS", "KVLayout", "KVReceiver", "KVSender", "KVTransferError", "SendHandle", "Transport",
     "TransferState", "TransferStats", "TransferStatus", "check_transport_device", "page_runs", "token_slots",
     "RequestReceiver", "TcpKVReceiver", "TcpKVSender", "TcpSendHandle", "GlooKVReceiver", "GlooKVSender", "NcclKVReceiver",
-    "NcclKVSender",
+    "NcclKVSender", "AutoKVReceiver", "AutoKVSender", "CudaIpcKVReceiver", "CudaIpcKVSender",
 ]

@@ -48,6 +48,7 @@ class KVTransferError(Exception):
         super().__init__(f"[{kind}] {message}")
         self.kind = kind
         self.message = message
+        self.transport: str | None = None  # what the room's rows travelled over, where the side that failed it knows
 
 
 def dtype_from_name(name: str) -> torch.dtype:

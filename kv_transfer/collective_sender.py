@@ -24,7 +24,7 @@ class _PairedConnection(_Connection):
     """A control connection and the process group it set up; breaking one tears down the other."""
 
     def __init__(self, endpoint: str, sock: socket.socket, pair: ProcessGroupPair, checksum: bool):
-        self.pair = pair
+        self.pair, self.transport = pair, pair.backend.name
         super().__init__(endpoint, sock, checksum)
         pair.on_broken = lambda reason: self.break_(KVTransferError(
             "peer_failed", f"the {pair.backend.name} link to decode KV endpoint {endpoint} failed: {reason}"))

@@ -69,6 +69,7 @@ class TcpKVReceiver(KVReceiver):
 
     transport = "tcp"  # a sender announcing another transport in HELLO is refused as "incompatible"
     peer_conn_cls = _PeerConn
+    data_kinds = (LAYER, AUX, ABORT)  # frames a paired sender may send
 
     def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, *, on_layer: OnLayer,
                  on_done: OnDone, on_failed: OnFailed, timeout_s: float = 300.0, handshake_timeout_s: float = 10.0,
@@ -180,7 +181,13 @@ class TcpKVReceiver(KVReceiver):
         if notify and r.conn is not None:
             self._outbox.put((r.conn, {"kind": ROOM_FAILED, "room": r.room, "error_kind": kind, "message": message}))
         if callback:
-            self._call(self._on_failed, r.room, KVTransferError(kind, message))
+            self._call(self._on_failed, r.room, self._room_error(r, kind, message))
+
+    def _room_error(self, r: _Room, kind: str, message: str) -> KVTransferError:
+        """The error on_failed gets for room `r`; `transport` says what its rows travelled over."""
+        error = KVTransferError(kind, message)
+        error.transport = self.transport
+        return error
 
     def _complete_if_ready_locked(self, r: _Room) -> None:
         """Every layer landed and the aux record is in: confirm to the sender, then on_done."""
@@ -353,7 +360,7 @@ class TcpKVReceiver(KVReceiver):
                 if frame is None:
                     break
                 header, payload = frame
-                if header["kind"] not in (LAYER, AUX, ABORT):
+                if header["kind"] not in self.data_kinds:
                     raise ProtocolError(f"unexpected {header['kind']} frame")
                 self._on_data(conn, header["kind"], header, payload)
         except ProtocolError as e:
@@ -367,6 +374,14 @@ class TcpKVReceiver(KVReceiver):
                     self._drop_locked(r, kind, f"room {r.room}: {why} after {r.progress()}", notify=False)
             self._disconnected(conn)
             conn.sock.close()
+
+    def _transport_problem(self, conn: _PeerConn, header: dict[str, Any]) -> str | None:
+        """Why this receiver cannot pair with the sender's transport (HELLO's "transport"), None when it can."""
+        transport = header.get("transport", "tcp")  # senders older than the transport field spoke TCP
+        if transport == self.transport or (transport == "auto" and self.transport == "tcp"):
+            return None  # an "auto" sender pairs over tcp with a tcp receiver (HELLO_OK names no other transport)
+        return (f"KV transport mismatch: prefill {transport!r} vs decode {self.transport!r} (give both workers the "
+                f"same --kv-transport)")
 
     def _paired(self, conn: _PeerConn) -> bool:
         """After HELLO_OK went out: set up whatever else the transport needs with this sender; False drops it."""
@@ -393,13 +408,9 @@ class TcpKVReceiver(KVReceiver):
         try:
             if header["kind"] != HELLO:
                 raise ValueError(f"expected HELLO, got {header['kind']}")
-            transport = header.get("transport", "tcp")  # senders older than the transport field spoke TCP
-            if transport != self.transport:
-                problem = (f"KV transport mismatch: prefill {transport!r} vs decode {self.transport!r} (give both "
-                           f"workers the same --kv-transport)")
-            else:
-                problem = KVLayout.from_dict(header["layout"]).mismatch(self.layout, ("prefill", "decode"))
-                problem = problem and f"KV layout mismatch: {problem}"
+            problem = KVLayout.from_dict(header["layout"]).mismatch(self.layout, ("prefill", "decode"))
+            problem = problem and f"KV layout mismatch: {problem}"
+            problem = problem or self._transport_problem(conn, header)
         except (ValueError, KeyError, TypeError) as e:
             problem = f"bad HELLO: {e}"
         if problem:

@@ -30,6 +30,8 @@ _MAX_REPLY_PAYLOAD = 0
 
 
 class _Connection:
+    transport = "tcp"  # what the rows travel over (the `transport` label of the transfer metrics)
+
     def __init__(self, endpoint: str, sock: socket.socket, checksum: bool = True):
         self.endpoint, self.sock, self.checksum = endpoint, sock, checksum
         self.lock = threading.Lock()
@@ -111,6 +113,8 @@ class _Connection:
                 except RuntimeError as e:  # a CUDA error: this room's rows cannot be read
                     handle._fail("aborted", f"room {handle.room}: reading its rows off the GPU failed: {e}")
                     continue
+                if frame is None:  # the builder failed the room itself
+                    continue
             try:
                 write_frame(self.sock, frame)
             except OSError as e:
@@ -133,7 +137,9 @@ class _Connection:
                 with self.lock:
                     handle = self.handles.get(header.get("room"))
                 if header["kind"] not in (ROOM_DONE, ROOM_FAILED):
-                    raise ProtocolError(f"unexpected {header['kind']} frame")
+                    if not self._on_reply(header, handle):
+                        raise ProtocolError(f"unexpected {header['kind']} frame")
+                    continue
                 if handle is None:
                     continue  # the room already finished here (aborted or timed out locally)
                 if header["kind"] == ROOM_DONE:
@@ -150,6 +156,14 @@ class _Connection:
         self.break_(error)
         self.writer.join()
         self.sock.close()  # NOTE: only once both threads are done with it, so its fd is never reused under them
+        self._ended()
+
+    def _on_reply(self, header: dict[str, Any], handle: TcpSendHandle | None) -> bool:
+        """A reply other than ROOM_DONE/ROOM_FAILED (on the reader thread); False: not one this transport knows."""
+        return False
+
+    def _ended(self) -> None:
+        """Both threads are done: release what the transport holds for this connection."""
 
 
 class TcpSendHandle(SendHandle):
@@ -159,6 +173,7 @@ class TcpSendHandle(SendHandle):
         self.room, self.num_layers, self.layout = room, num_layers, layout
         self.status = TransferStatus(TransferState.BOOTSTRAPPING)
         self._conn, self._timeout_s = conn, timeout_s
+        self.transport = conn.transport
         self._layers: set[int] = set()
         self._num_tokens: int | None = None
         self._finished = False
@@ -235,8 +250,11 @@ class TcpSendHandle(SendHandle):
                           hidden_nbytes=h.numel() * h.element_size())
             payload.insert(0, tensor_bytes(h))
         if self.status.state != TransferState.FAILED:
-            self._conn.put(self, AUX, header, *payload)
+            self._queue_aux(header, payload)
         self._finished = True
+
+    def _queue_aux(self, header: dict[str, Any], payload: list[bytes | memoryview]) -> None:
+        self._conn.put(self, AUX, header, *payload)
 
     def wait(self, timeout: float | None = None) -> TransferStats:
         limit = self._deadline - time.monotonic() if timeout is None else timeout
@@ -340,6 +358,10 @@ class TcpKVSender(KVSender):
                 self._conns[endpoint] = conn
             return conn
 
+    def _hello_fields(self, endpoint: str) -> dict[str, Any]:
+        """What HELLO says about this side beyond the layout and token."""
+        return {"transport": self.transport}
+
     def _open(self, endpoint: str, sock: socket.socket, hello_ok: dict[str, Any]) -> _Connection:
         """The connection over a handshaken socket (the collective transports set up their process group here).
         Raises KVTransferError; the caller closes the socket."""
@@ -354,7 +376,7 @@ class TcpKVSender(KVSender):
         try:
             configure_socket(sock)
             send_frame(sock, {"kind": HELLO, "version": VERSION, "layout": self.layout.to_dict(),
-                              "token": self.token or "", "transport": self.transport})
+                              "token": self.token or "", **self._hello_fields(endpoint)})
             reply = recv_frame(sock, _MAX_REPLY_PAYLOAD)
             if reply is None:
                 raise ConnectionError("it closed the connection")

@@ -1,0 +1,315 @@
+"""The "cuda_ipc" and "auto" KV transports on the CPU: what the handshake picks and why (`choose_transport`, fed
+fake GPU facts), the refusal messages, the checks on the handle fields and page indices a peer sends, and the
+whole control protocol (BEGIN/GRANT, announcements, release on ABORT, draining) over real sockets with a fake
+`IpcBackend` whose "mapping" of the decode pool is the pool tensor itself. tests/test_gpu_kv_ipc.py runs the real
+CUDA IPC mapping between processes on a GPU."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import uuid
+
+import pytest
+import torch
+
+from pdserve.kv_transfer import (
+    TRANSPORTS, AutoKVReceiver, AutoKVSender, CudaIpcKVReceiver, CudaIpcKVSender, KVTransferError, TcpKVReceiver,
+    check_transport_device, token_slots,
+)
+from pdserve.kv_transfer.cuda_ipc_pairing import (
+    Facts, IpcBackend, check_export, choose_transport, expandable_segments_on, pool_slots,
+)
+
+from test_kv_transfer_collective import AUX, NUM_PAGES, Decode
+from test_kv_transfer_tcp import KV_DIM, LAYERS, PAGE, TOKENS, Recorder, make_layout
+
+GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
+
+
+class FakeIpc(IpcBackend):
+    """Fake GPU facts; "exporting" a pool registers it, "mapping" it returns that very tensor (both ends live in
+    this process), so every write the sender makes lands in the decode pool as a real mapping's would."""
+
+    pools: dict[str, torch.Tensor] = {}
+
+    def __init__(self, gpu: str | None = GPU_A, peers=(), host: str = "host-1", problem: str | None = None,
+                 open_error: str | None = None):
+        self.gpu, self.peers, self.host, self.problem, self.open_error = gpu, tuple(peers), host, problem, open_error
+        self.opened = 0
+
+    def local_facts(self, device) -> Facts:
+        return Facts(self.host, self.gpu, (self.gpu, *self.peers) if self.gpu else ())
+
+    def export_problem(self, kv):
+        return self.problem
+
+    def export(self, kv):
+        key = uuid.uuid4().hex
+        FakeIpc.pools[key] = kv
+        return {"gpu": self.gpu, "handle": base64.b64encode(key.encode()).decode(),
+                "storage_bytes": kv.numel() * kv.element_size(), "storage_offset": 0, "counter": None,
+                "counter_offset": 0, "event": None, "event_sync": False, "shape": list(kv.shape),
+                "dtype": str(kv.dtype).removeprefix("torch.")}
+
+    def open(self, fields, dtype):
+        if self.open_error:
+            raise RuntimeError(self.open_error)
+        self.opened += 1
+        return FakeIpc.pools[base64.b64decode(fields["handle"]).decode()]
+
+
+# ---- what the handshake picks -----------------------------------------------------------------------------------
+
+def facts(gpu=GPU_A, peers=(), host="host-1"):
+    return Facts(host, gpu, (gpu, *peers) if gpu else ())
+
+
+@pytest.mark.parametrize("prefill_wants, decode_wants, prefill, decode, problem, want, why", [
+    ("auto", "auto", facts(), facts(), None, "cuda_ipc", "same GPU"),
+    ("auto", "auto", facts(GPU_A, peers=[GPU_B]), facts(GPU_B), None, "cuda_ipc", "peer access"),
+    ("auto", "auto", facts(GPU_A), facts(GPU_B), None, "tcp", "has no peer access"),
+    ("auto", "auto", facts(host="host-2"), facts(), None, "tcp", "different hosts"),
+    ("auto", "auto", facts(None), facts(), None, "tcp", "prefill worker's KV pool is not on a GPU"),
+    ("auto", "auto", facts(), facts(None), None, "tcp", "decode worker's KV pool is not on a GPU"),
+    ("auto", "auto", facts(), facts(), "runs with expandable_segments", "tcp", "expandable_segments"),
+    ("auto", "auto", None, facts(), None, "tcp", "sent no transport facts"),
+    ("cuda_ipc", "auto", facts(), facts(), None, "cuda_ipc", "same GPU"),
+    ("auto", "cuda_ipc", facts(), facts(), None, "cuda_ipc", "same GPU"),
+    ("tcp", "auto", facts(), facts(), None, "tcp", "asked for"),
+    ("cuda_ipc", "cuda_ipc", facts(host="host-2"), facts(), None, None, "different hosts (use tcp or auto)"),
+    ("cuda_ipc", "tcp", facts(), facts(), None, None, "mismatch: prefill 'cuda_ipc' vs decode 'tcp'"),
+    ("nccl", "auto", facts(), facts(), None, None, "mismatch: prefill 'nccl' vs decode 'auto'"),
+])
+def test_the_handshake_choice(prefill_wants, decode_wants, prefill, decode, problem, want, why):
+    got, reason = choose_transport(prefill_wants, decode_wants, prefill, decode, problem)
+    assert got == want and why in reason, reason
+
+
+def test_auto_is_registered_for_every_device_and_cuda_ipc_needs_a_gpu():
+    assert {"auto", "cuda_ipc"} <= set(TRANSPORTS.names())
+    check_transport_device("auto", "cpu")
+    with pytest.raises(ValueError, match="--kv-transport cuda_ipc needs a CUDA device; this worker runs on cpu: use tcp"):
+        check_transport_device("cuda_ipc", "cpu")
+
+
+def test_expandable_segments_refuse_cuda_ipc_with_the_fix(monkeypatch, cleanup):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
+    assert expandable_segments_on()
+    kv = torch.zeros(LAYERS, 8, KV_DIM)
+    with pytest.raises(ValueError, match="not on a GPU"):  # the real backend on a CPU pool
+        CudaIpcKVReceiver(make_layout(), kv_buffer=kv, on_layer=None, on_done=None, on_failed=None)
+    problem = IpcBackend().export_problem(torch.zeros(1, device="meta").expand(1))
+    assert "not on a GPU" in problem
+    with pytest.raises(ValueError, match="expandable_segments.*unset it for cuda_ipc.*auto/tcp"):
+        CudaIpcKVReceiver(make_layout(), kv_buffer=kv, ipc=FakeIpc(problem="the decode worker runs with "
+                          "expandable_segments (PYTORCH_CUDA_ALLOC_CONF), ...: unset it for cuda_ipc"),
+                          on_layer=None, on_done=None, on_failed=None)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert not expandable_segments_on()
+
+
+def test_handle_fields_and_pages_from_the_peer_are_checked():
+    layout = make_layout()
+    good = FakeIpc().export(torch.zeros(LAYERS, NUM_PAGES * PAGE, KV_DIM))
+    check_export(good, layout)
+    for change, message in [({"shape": [LAYERS, 64, KV_DIM + 1]}, "does not hold"),
+                            ({"shape": [LAYERS - 1, 64, KV_DIM]}, "does not hold"),
+                            ({"dtype": "bfloat16"}, "does not hold"),
+                            ({"storage_bytes": 100}, "needs"),
+                            ({"storage_offset": -1}, "non-negative"),
+                            ({"counter": base64.b64encode(b"/etc/passwd").decode()}, "not one of torch's"),
+                            ({"handle": ""}, "empty"),
+                            ({"shape": "big"}, "not \\(layers, slots, kv_dim\\)")]:
+        with pytest.raises(ValueError, match=message):
+            check_export({**good, **change}, layout)
+    pool_slots((LAYERS, NUM_PAGES * PAGE, KV_DIM), [0, NUM_PAGES - 1], PAGE)
+    for bad in ([NUM_PAGES], [-1], [True], [2.0]):
+        with pytest.raises(ValueError, match="outside the decode pool"):
+            pool_slots((LAYERS, NUM_PAGES * PAGE, KV_DIM), [3, *bad], PAGE)
+
+
+# ---- the protocol over real sockets, fake mapping ----------------------------------------------------------------
+
+def ipc_decode(cleanup, transport="auto", ipc=None, **options) -> Decode:
+    return Decode(cleanup, transport=transport, ipc=ipc or FakeIpc(), **options)
+
+
+def ipc_sender(cleanup, transport="auto", ipc=None, **options):
+    cls = {"auto": AutoKVSender, "cuda_ipc": CudaIpcKVSender}[transport]
+    s = cls(make_layout(), ipc=ipc or FakeIpc(), **options)
+    cleanup(s)
+    return s
+
+
+def rows_of(room: int) -> torch.Tensor:
+    return torch.randn(LAYERS, TOKENS, KV_DIM, generator=torch.Generator().manual_seed(room))  # (L, T, D)
+
+
+def send(s, decode: Decode, room: int, pages=None, layers=range(LAYERS), finish=True):
+    pages = decode.reserve(room, TOKENS, pages)
+    h = s.begin(decode.receiver.endpoint, room, LAYERS, dst_pages=pages)
+    for layer in layers:
+        h.send_layer(layer, rows_of(room)[layer])
+    if finish:
+        h.finish(AUX)
+    return h, pages
+
+
+def landed(decode: Decode, room: int, pages) -> bool:
+    slots = token_slots(pages, TOKENS, PAGE)
+    return all(torch.equal(decode.pool.kv[layer, slots], rows_of(room)[layer]) for layer in range(LAYERS))
+
+
+@pytest.mark.parametrize("sender_wants, decode_wants", [("auto", "auto"), ("cuda_ipc", "cuda_ipc"),
+                                                        ("cuda_ipc", "auto")])
+def test_rows_are_written_into_scattered_pages_by_the_sender(cleanup, caplog, sender_wants, decode_wants):
+    caplog.set_level(logging.INFO, logger="pdserve.kv_transfer")
+    decode = ipc_decode(cleanup, decode_wants)
+    s = ipc_sender(cleanup, sender_wants)
+    decode.pool.allocator.alloc(NUM_PAGES)  # the test hands out its own scattered pages
+    dst = [9, 2, 5, 6, 7, 0, 13, 11, 12, 3]
+    h, _ = send(s, decode, 42, dst)
+    stats = h.wait(timeout=5)
+    decode.rec.wait_for(lambda: decode.rec.done)
+    assert h.transport == "cuda_ipc" and stats.bytes_sent >= rows_of(42).numel() * 4
+    assert [(room, layer) for room, layer, _, _ in decode.rec.layers] == [(42, 0), (42, 1), (42, 2)]
+    assert all(values is None for *_, values in decode.rec.layers)
+    assert landed(decode, 42, dst)
+    untouched = torch.ones(decode.pool.kv.shape[1], dtype=torch.bool)
+    untouched[token_slots(dst, TOKENS, PAGE)] = False
+    assert (decode.pool.kv[:, untouched] == -1).all(), "a slot outside the room's pages was written"
+    assert "over cuda_ipc (same GPU)" in caplog.text  # logged on both sides at pairing
+    assert "paired with prefill" in caplog.text
+
+
+@pytest.mark.parametrize("sender_ipc, decode_ipc, why", [
+    (FakeIpc(GPU_A), FakeIpc(GPU_B), "no peer access"),
+    (FakeIpc(host="host-2"), FakeIpc(), "different hosts"),
+    (FakeIpc(), FakeIpc(problem="expandable_segments on"), "expandable_segments on"),
+    (FakeIpc(open_error="cudaIpcOpenMemHandle: invalid context"), FakeIpc(), "invalid context"),
+])
+def test_auto_falls_back_to_tcp_and_says_why(cleanup, caplog, sender_ipc, decode_ipc, why):
+    caplog.set_level(logging.INFO, logger="pdserve.kv_transfer")
+    decode = ipc_decode(cleanup, ipc=decode_ipc)
+    s = ipc_sender(cleanup, ipc=sender_ipc)
+    h, pages = send(s, decode, 7)
+    h.wait(timeout=5)
+    decode.rec.wait_for(lambda: decode.rec.done)
+    assert h.transport == "tcp" and landed(decode, 7, pages) and decode.idle
+    assert why in caplog.text and "tcp" in caplog.text
+    h, pages = send(s, decode, 8)  # the pairing stays: no second handshake
+    h.wait(timeout=5)
+    assert len(s._conns) == 1 and h.transport == "tcp"
+
+
+def test_auto_sender_pairs_over_tcp_with_a_tcp_decode_worker(cleanup):
+    rec = Recorder()
+    receiver = TcpKVReceiver(make_layout(), on_layer=rec.on_layer, on_done=rec.on_done, on_failed=rec.on_failed)
+    cleanup(receiver)
+    s = ipc_sender(cleanup)
+    receiver.expect(3, TOKENS, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], LAYERS)
+    h = s.begin(receiver.endpoint, 3, LAYERS, dst_pages=list(range(10)))
+    for layer in range(LAYERS):
+        h.send_layer(layer, rows_of(3)[layer])
+    h.finish(AUX)
+    h.wait(timeout=5)
+    assert h.transport == "tcp" and torch.equal(rec.layers[1][3], rows_of(3)[1])
+
+
+@pytest.mark.parametrize("prefill, decode, message", [
+    ("cuda_ipc", "tcp", "mismatch"),
+    ("cuda_ipc", "cuda_ipc", "different hosts"),  # the sender is on another host (facts)
+])
+def test_cuda_ipc_that_cannot_work_is_refused_at_the_handshake(cleanup, prefill, decode, message):
+    layout = make_layout()
+    kv = torch.zeros(LAYERS, NUM_PAGES * PAGE, KV_DIM)
+    rec = Recorder()
+    extra = {"ipc": FakeIpc()} if decode != "tcp" else {}
+    receiver = TRANSPORTS.get(decode).receiver(layout, kv_buffer=kv, on_layer=rec.on_layer, on_done=rec.on_done,
+                                               on_failed=rec.on_failed, **extra)
+    cleanup(receiver)
+    s = ipc_sender(cleanup, prefill, ipc=FakeIpc(host="host-2"))
+    with pytest.raises(KVTransferError) as err:
+        s.begin(receiver.endpoint, 1, LAYERS, dst_pages=[0])
+    assert err.value.kind == "incompatible" and message in str(err.value)
+
+
+def test_pages_outside_the_mapped_pool_are_refused_before_any_write(cleanup):
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    decode.reserve(5, TOKENS)
+    with pytest.raises(KVTransferError) as err:
+        s.begin(decode.receiver.endpoint, 5, LAYERS, dst_pages=[0, 1, 2, 3, 4, 5, 6, 7, 8, NUM_PAGES + 1])
+    assert err.value.kind == "protocol" and "outside the decode pool" in str(err.value)
+    assert (decode.pool.kv == -1).all()
+
+
+def test_pages_other_than_the_reservation_are_not_granted(cleanup):
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    pages = decode.reserve(6, TOKENS)
+    wrong = [p + 1 for p in pages]  # inside the pool, but not this room's
+    h = s.begin(decode.receiver.endpoint, 6, LAYERS, dst_pages=wrong)
+    for layer in range(LAYERS):
+        h.send_layer(layer, rows_of(6)[layer])
+    h.finish(AUX)
+    with pytest.raises(KVTransferError) as err:
+        h.wait(timeout=5)
+    assert err.value.kind == "protocol" and "reserved" in str(err.value)
+    decode.rec.wait_for(lambda: decode.rec.failed)
+    assert (decode.pool.kv == -1).all(), "rows were written without a grant"
+    assert decode.idle
+
+
+def test_decode_cancel_of_a_granted_room_waits_for_the_senders_release(cleanup):
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    h, pages = send(s, decode, 11, layers=[0], finish=False)
+    wait = lambda: decode.receiver._rooms[11].granted if 11 in decode.receiver._rooms else False  # noqa: E731
+    decode.rec.wait_for(wait)
+    assert decode.cancel(11) is False, "the sender may be writing: the pages are freed on on_failed"
+    decode.rec.wait_for(lambda: decode.rec.failed)  # after the sender's ABORT (its copies completed)
+    assert decode.rec.failed[0][1].kind == "aborted" and decode.idle
+    with pytest.raises(KVTransferError) as err:
+        h.wait(timeout=5)
+    assert err.value.kind == "aborted"
+    h.send_layer(1, rows_of(11)[1])  # a room that failed takes more calls quietly and writes nothing
+    h2, pages2 = send(s, decode, 12)
+    h2.wait(timeout=5)
+    assert landed(decode, 12, pages2)
+
+
+def test_ungranted_cancel_frees_at_once(cleanup):
+    decode = ipc_decode(cleanup)
+    decode.reserve(13, TOKENS)
+    assert decode.cancel(13) is True and decode.idle
+
+
+def test_prefill_abort_and_timeout_release_the_pages(cleanup):
+    decode = ipc_decode(cleanup, timeout_s=0.5)
+    s = ipc_sender(cleanup)
+    h, _ = send(s, decode, 21, layers=[0], finish=False)
+    h.abort()
+    decode.rec.wait_for(lambda: decode.rec.failed)
+    assert decode.rec.failed[0][1].kind == "aborted" and decode.idle
+    h, _ = send(s, decode, 22, layers=[0, 1], finish=False)  # then prefill stalls
+    decode.rec.wait_for(lambda: len(decode.rec.failed) == 2, timeout=5)
+    assert decode.rec.failed[1][1].kind == "timeout" and decode.idle
+    with pytest.raises(KVTransferError) as err:
+        h.wait(timeout=5)
+    assert err.value.kind == "timeout"
+
+
+def test_a_sender_that_never_releases_loses_its_pairing(cleanup):
+    decode = ipc_decode(cleanup, drain_timeout_s=0.3)
+    s = ipc_sender(cleanup)
+    h, _ = send(s, decode, 31, layers=[0], finish=False)
+    decode.rec.wait_for(lambda: 31 in decode.receiver._rooms and decode.receiver._rooms[31].granted)
+    h._fail = lambda *a: False  # fault: the sender ignores ROOM_FAILED and never answers ABORT
+    assert decode.cancel(31) is False
+    decode.rec.wait_for(lambda: decode.rec.failed, timeout=5)  # released when the pairing was closed
+    assert decode.idle
+    h2, pages = send(s, decode, 32)  # the sender pairs again
+    h2.wait(timeout=5)
+    assert landed(decode, 32, pages)
