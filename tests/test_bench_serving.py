@@ -17,8 +17,9 @@ pytestmark = pytest.mark.slow
 def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
     out = tmp_path / "serving"
     proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--out", str(out), "--device", "cpu",
-                           "--models", "demo", "--concurrency", "1", "2", "--num-prompts", "4", "--demo-input-len", "16",
-                           "--demo-output-len", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--models", "demo", "--concurrency", "1", "2", "--num-prompts", "4",
+                           "--demo-input-len", "16", "--demo-output-len", "4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "serving.json").read_text())
     demo = result["models"]["demo"]
