@@ -87,6 +87,31 @@ def test_cpu_plans_are_one_short_prompt_and_one_decode_step(tiny_v3_dir):
     assert plan_for(engine, "decode") == WarmupPlan(decode_batches=(1,), decode_tokens=2)
 
 
+def _cuda_engine_stub(max_model_len: int, spec_steps: int = 0):
+    """What plan_for reads of an engine, as a CUDA one with default graphs would have it."""
+    from types import SimpleNamespace
+
+    from pdserve.cuda_graph import CudaGraphConfig
+    from pdserve.scheduler import SchedulerConfig
+
+    sched = SchedulerConfig(max_num_batched_tokens=2048, max_running_requests=128, max_model_len=max_model_len)
+    spec = SpeculativeConfig("NEXTN", spec_steps) if spec_steps else SpeculativeConfig()
+    return SimpleNamespace(scheduler=SimpleNamespace(config=sched),
+                           config=SimpleNamespace(device="cuda", speculative=spec, cuda_graph=CudaGraphConfig()),
+                           pool=SimpleNamespace(allocator=SimpleNamespace(num_free=5000), page_size=16))
+
+
+def test_gpu_plans_cover_chunks_graph_buckets_and_eager_batches():
+    engine = _cuda_engine_stub(4096)
+    prefill, decode, alone = (plan_for(engine, role) for role in ("prefill", "decode", "engine"))
+    assert prefill.prompt_lens == (1, 17, 2048, 2065) and prefill.prompt_batch == 8 and not prefill.mixed
+    # Every captured bucket (1, 2, 4, 8, then every 8 up to 64) and 128, above the graphs (eager).
+    assert decode.decode_batches == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128) and decode.prompt_lens == (1,)
+    assert alone.mixed and alone.decode_batches == decode.decode_batches
+    assert plan_for(_cuda_engine_stub(1024), "prefill").prompt_lens == (1, 17, 1023)  # the context caps the chunk
+    assert plan_for(_cuda_engine_stub(4096, spec_steps=3), "decode").decode_tokens == 10  # a full NextN round
+
+
 def test_warmup_refuses_a_busy_engine(tiny_v3_dir):
     engine = engine_for(tiny_v3_dir)
     engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))

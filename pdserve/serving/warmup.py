@@ -70,7 +70,9 @@ def plan_for(engine: LLMEngine, role: str) -> WarmupPlan:
     capacity = engine.pool.allocator.num_free * engine.pool.page_size
     longest = min(sched.max_model_len - 1, capacity - engine.pool.page_size)
     chunk = sched.max_num_batched_tokens
-    lens = sorted({n for n in (1, PROMPT_ODD, chunk, chunk + PROMPT_ODD) if 1 <= n <= longest})
+    # One chunk, and a chunk and a bit (its second chunk reads the first from the pool); the longest prompt when
+    # the context is shorter than a chunk.
+    lens = sorted({min(n, longest) for n in (1, PROMPT_ODD, chunk, chunk + PROMPT_ODD) if longest >= 1})
     if prefills:
         # A prefill worker also runs the NextN layer one token per prompt (the MTP KV it ships): a decode step of
         # batch 1 compiles the same decode-attention kernels.
