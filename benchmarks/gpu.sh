@@ -23,7 +23,7 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   spec       NextN speculative decoding on models/tiny-trained, and its draft / verify cost on the V3 slice (~2 min)
   serving    the service vs the engine: `pdserve up` (prefill + decode on one GPU) driven by `pdserve bench` at
              concurrency 1 8 32 128, demo model and V3 slice, the engine alone on the same prompts; cold kernel
-             caches first (~8 min; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
+             caches first (~4 min on an H200; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
   kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
   all        tests, decode, prefill, mla, moe, spec and serving in turn (longer than one device call's 10 minutes)
 
