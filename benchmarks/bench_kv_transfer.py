@@ -15,6 +15,16 @@ starts the decode side (a pool on --decode-device) as a child process of this sc
 
 Every time is the median of --iters runs after --warmup. Not a test: it prints numbers and writes --out.
 
+--backend cuda_ipc (one GPU: both sides on --prefill-device; the decode child's pool mapped into this process over
+CUDA IPC, rows copied into its pages): for each --layer-sets size (5 = the V3 slice's 4 layers + NextN; 61 = full
+DeepSeek-V3, dummy rows) and --tokens, ours (begin() to the decode worker's confirmation, the control round trips
+included) against a plain device copy of the same bytes in this process (`dst.copy_(src)`, the bandwidth ceiling)
+and the same scatter by slot without any transport (`pool[layer].index_copy_`), all measured in this run; plus the
+one-off pairing (connect, handshake, mapping) and, with --compare-tcp, the tcp transport on the V3-slice sizes.
+
+    python benchmarks/bench_kv_transfer.py --backend cuda_ipc --prefill-device cuda:0 --tokens 2048 16384 \
+        --out /tmp/kv_ipc.json --compare-tcp      # bash benchmarks/gpu.sh kv-ipc
+
     python benchmarks/bench_kv_transfer.py --out /tmp/kv_transfer.json    # bash benchmarks/gpu.sh kv, on two GPUs
     python benchmarks/bench_kv_transfer.py --backend gloo --prefill-device cpu --decode-device cpu --layers 4 \\
         --tokens 256 --iters 2 --out /tmp/kv_transfer_cpu.json    # a dry run of the script on the CPU (Gloo)
@@ -37,13 +47,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdserve.kv_transfer import TRANSPORTS, KVLayout  # noqa: E402
+from pdserve.kv_transfer import TRANSPORTS, KVLayout, token_slots  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file to write (every number of the run)")
-    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="transport to measure (default nccl)")
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo", "cuda_ipc", "tcp"],
+                   help="transport to measure (default nccl)")
+    p.add_argument("--layer-sets", type=int, nargs="+", default=[5, 61],
+                   help="cuda_ipc: KV layer counts measured (5: the V3 slice, 4 layers + NextN; 61: DeepSeek-V3)")
+    p.add_argument("--compare-tcp", action="store_true", help="cuda_ipc: also the tcp transport, V3-slice sizes")
     p.add_argument("--prefill-device", default="cuda:0")
     p.add_argument("--decode-device", default="cuda:1")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="room sizes in tokens")
@@ -117,7 +131,7 @@ def decode_main(args) -> None:
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "expect":
-            receiver.expect(int(cmd[1]), int(cmd[2]), json.loads(cmd[3]), args.layers)
+            receiver.expect(int(cmd[1]), int(cmd[2]), json.loads(cmd[3]), int(cmd[4]) if len(cmd) > 4 else args.layers)
         elif cmd[0] == "plain":  # receive --layers layers of n tokens, once per iteration
             import torch.distributed as dist
 
@@ -147,6 +161,7 @@ class Child:
                 str(args.kv_dim), "--dtype", args.dtype, "--page-size", str(args.page_size), "--kv-port", "0",
                 "--plain-port", str(args.plain_port), "--tokens", *map(str, args.tokens)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.backend = args.backend
         self.endpoint = self.expect_line("ready").split()[1]
 
     def expect_line(self, prefix: str) -> str:
@@ -164,7 +179,8 @@ class Child:
         return self.expect_line(answer) if answer else None
 
 
-def run_ours(args, child: Child, sender, rows: torch.Tensor, tokens: int, order: str, first_room: int) -> dict:
+def run_ours(args, child: Child, sender, rows: torch.Tensor, tokens: int, order: str, first_room: int,
+             layers: int | None = None) -> dict:
     need = -(-tokens // args.page_size)
     pages = list(range(need))
     if order == "shuffled":
@@ -173,11 +189,12 @@ def run_ours(args, child: Child, sender, rows: torch.Tensor, tokens: int, order:
     times = []
     for i in range(args.warmup + args.iters):
         room = first_room + i
-        child.send(f"expect {room} {tokens} {json.dumps(pages, separators=(',', ':'))}")
+        layers = layers or args.layers
+        child.send(f"expect {room} {tokens} {json.dumps(pages, separators=(',', ':'))} {layers}")
         sync(rows.device)
         t0 = time.perf_counter()
-        h = sender.begin(child.endpoint, room, args.layers, dst_pages=pages)
-        for layer in range(args.layers):
+        h = sender.begin(child.endpoint, room, layers, dst_pages=pages)
+        for layer in range(layers):
             h.send_layer(layer, rows[layer, :tokens])
         h.finish(aux)
         h.wait(timeout=600)
@@ -273,9 +290,111 @@ def prefill_main(args) -> None:
     print(f"wrote {args.out}")
 
 
+def device_times(fn, warmup: int, iters: int) -> float:
+    """Median seconds of fn() on the current stream, timed with CUDA events (perf_counter on the CPU)."""
+    times = []
+    for i in range(warmup + iters):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def same_gpu_main(args) -> None:
+    """--backend cuda_ipc (and tcp): both sides on one GPU; see the module docstring."""
+    device = torch.device(args.prefill_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    args.decode_device, args.layers = args.prefill_device, max(args.layer_sets)
+    layout = layout_of(args)
+    rows = torch.randn(args.layers, max(args.tokens), args.kv_dim, device=device).to(layout.torch_dtype)
+    result = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "backend": args.backend, "device": args.prefill_device,
+              "layout": layout.to_dict(), "page_size": args.page_size, "cases": []}
+    backends = [args.backend] + (["tcp"] if args.compare_tcp and args.backend != "tcp" else [])
+    room = 1
+    for backend in backends:
+        child = Child(argparse.Namespace(**{**vars(args), "backend": backend}))
+        try:
+            before = free_bytes(device)
+            sender = TRANSPORTS.get(backend).sender(layout, device=device, timeout_s=600)
+            t0 = time.perf_counter()
+            run_ours(argparse.Namespace(**{**vars(args), "warmup": 0, "iters": 1}), child, sender, rows, 1,
+                     "contiguous", room, layers=1)
+            room += 1
+            pairing = {"backend": backend, "first_room_seconds": time.perf_counter() - t0,
+                       "mem_get_info_bytes": before - free_bytes(device),
+                       "transport": next(iter(sender._conns.values())).transport}
+            result.setdefault("pairing", []).append(pairing)
+            print(f"{backend}: pairing (connect, handshake, map) + a 1-token room {pairing['first_room_seconds'] * 1e3:.1f}"
+                  f" ms, over {pairing['transport']}; device memory {pairing['mem_get_info_bytes'] / 2**20:.1f} MiB",
+                  flush=True)
+            for layers in args.layer_sets:
+                if backend == "tcp" and layers != min(args.layer_sets):
+                    continue  # through the host: the V3-slice sizes say enough
+                for order in args.page_order:
+                    for tokens in args.tokens:
+                        nbytes = layers * tokens * args.kv_dim * layout.torch_dtype.itemsize
+                        case = {"backend": backend, "layers": layers, "tokens": tokens, "page_order": order,
+                                "bytes": nbytes}
+                        case["ours"] = run_ours(args, child, sender, rows, tokens, order, room, layers=layers)
+                        room += args.warmup + args.iters
+                        case["ours"]["GB_per_s"] = nbytes / case["ours"]["seconds"] / 1e9
+                        result["cases"].append(case)
+            sender.close()
+            child.send("quit", answer=None)
+        finally:
+            child.proc.stdin.close()
+            child.proc.wait(timeout=60)
+    # The ceilings, in this process on the same GPU, same bytes.
+    for case in result["cases"]:
+        layers, tokens = case["layers"], case["tokens"]
+        src = rows[:layers, :tokens].contiguous()
+        dst = torch.empty_like(src)
+        copy_s = device_times(lambda: dst.copy_(src), args.warmup, args.iters)
+        pool = torch.empty(layers, (num_pages(args) + 1) * args.page_size, args.kv_dim, dtype=src.dtype, device=device)
+        pages = list(range(-(-tokens // args.page_size)))
+        if case["page_order"] == "shuffled":
+            random.Random(tokens).shuffle(pages)
+        slots = token_slots(pages, tokens, args.page_size, device=device)
+
+        def scatter():
+            for layer in range(layers):
+                pool[layer].index_copy_(0, slots, src[layer])
+
+        scatter_s = device_times(scatter, args.warmup, args.iters)
+        case["device_copy"] = {"seconds": copy_s, "GB_per_s": case["bytes"] / copy_s / 1e9}
+        case["scatter_only"] = {"seconds": scatter_s, "GB_per_s": case["bytes"] / scatter_s / 1e9}
+        case["ours_over_device_copy"] = case["ours"]["GB_per_s"] / case["device_copy"]["GB_per_s"]
+        del pool, dst, src
+        print(f"{case['backend']:8s} {layers:3d} layers {tokens:6d} tokens {case['page_order']:10s} "
+              f"{case['bytes'] / 2**20:8.1f} MiB: ours {case['ours']['seconds'] * 1e3:8.3f} ms "
+              f"{case['ours']['GB_per_s']:7.1f} GB/s | device copy {copy_s * 1e3:7.3f} ms "
+              f"{case['device_copy']['GB_per_s']:7.1f} GB/s | scatter alone {scatter_s * 1e3:7.3f} ms | "
+              f"ours / copy {case['ours_over_device_copy']:.2f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    (decode_main if args.role == "decode" else prefill_main)(args)
+    if args.role == "decode":
+        decode_main(args)
+    elif args.backend in ("cuda_ipc", "tcp"):
+        same_gpu_main(args)
+    else:
+        prefill_main(args)
 
 
 if __name__ == "__main__":

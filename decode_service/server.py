@@ -102,7 +102,7 @@ class DecodeWorker:
             on_failed=lambda rid, err: self.loop.submit(lambda: self.engine.kv_failed(rid, err)),
             timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
             max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size,
-            kv_buffer=self.core.pool.kv)  # nccl/gloo receive straight into the pool's pages; tcp ignores it
+            kv_buffer=self.core.pool.kv)  # nccl/gloo/cuda_ipc write straight into the pool's pages; tcp too
         self.engine = DecodeEngine(self.core, self.receiver, self.layout.num_kv_layers,
                                    on_output=self._output, on_failed=self._failed,
                                    max_queued=config.max_queued_requests)
@@ -129,7 +129,8 @@ class DecodeWorker:
 
     def _failed(self, request_id: str, error: Exception) -> None:
         kind = getattr(error, "kind", "protocol")
-        self.metrics.count(self.metrics.transfer_failures, kind=kind)
+        transport = getattr(error, "transport", None) or self.config.kv_transport  # the pairing's, where known
+        self.metrics.count(self.metrics.transfer_failures, kind=kind, transport=transport)
         self.aio_loop.call_soon_threadsafe(self._deliver, request_id, error)
 
     def _step_failed(self, error: BaseException) -> None:

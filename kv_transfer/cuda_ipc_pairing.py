@@ -16,7 +16,7 @@ IPC, TCP, AUTO = "cuda_ipc", "tcp", "auto"
 # What each side may pair over, by its --kv-transport.
 ACCEPTS = {TCP: frozenset({TCP}), IPC: frozenset({IPC}), AUTO: frozenset({IPC, TCP})}
 _MAX_HANDLE_BYTES = 4096
-_COUNTER_NAME = re.compile(rb"^/torch_[A-Za-z0-9_]{1,100}$")  # torch's IPC reference-counter files in /dev/shm
+_COUNTER_NAME = re.compile(rb"^/torch_[A-Za-z0-9_.-]{1,200}$")  # torch's IPC reference-counter files in /dev/shm
 
 
 def host_id() -> str:
@@ -183,7 +183,9 @@ def _local_index(uuid: str) -> int:
     raise RuntimeError(f"GPU {uuid} of the decode worker is not visible to this process (CUDA_VISIBLE_DEVICES?)")
 
 
-def _b64(value: Optional[bytes]) -> Optional[str]:
+def _b64(value: bytes | str | None) -> Optional[str]:
+    if isinstance(value, str):
+        value = value.encode()
     return None if value is None else base64.b64encode(bytes(value)).decode()
 
 

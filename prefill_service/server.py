@@ -132,6 +132,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         w = self.w
         rid = request.request_id
+        transport = w.config.kv_transport  # until the pairing says which (auto)
         try:
             if not request.input_ids:
                 raise invalid("input_ids: the prompt is empty")
@@ -141,9 +142,11 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"this prefill worker cannot send KV to that decode worker: {mismatch}")
             job = PrefillJob(rid, list(request.input_ids), params, list(request.dst_pages))
-            # Connecting (and the layout handshake) happens here, before any compute is spent.
+            # Connecting (and the layout handshake, which picks the transport under auto) happens here, before any
+            # compute is spent.
             handle = await asyncio.to_thread(w.sender.begin, request.kv_endpoint, request.room,
                                              w.layout.num_kv_layers, job.dst_pages)
+            transport = handle.transport
             result_future = w.deliveries.expect(rid)
             try:
                 await asyncio.wrap_future(w.loop.submit(lambda: w.engine.add(job, handle)))
@@ -160,14 +163,14 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             w.metrics.count(w.metrics.prefix_hit_tokens, result.cached_tokens)
             start = time.monotonic()
             stats = await asyncio.to_thread(result.handle.wait, w.config.transfer_timeout_s)
-            w.metrics.count(w.metrics.transfer_bytes, stats.bytes_sent)
-            w.metrics.transfer_seconds.observe(time.monotonic() - start)
+            w.metrics.count(w.metrics.transfer_bytes, stats.bytes_sent, transport=transport)
+            w.metrics.observe(w.metrics.transfer_seconds, time.monotonic() - start, transport=transport)
             w.metrics.count(w.metrics.requests, outcome="finished")
             return pb.PrefillResponse(first_token_id=result.first_token_id, cached_tokens=result.cached_tokens,
                                       evicted_block_hashes=w.drain_evicted(), kv_bytes=stats.bytes_sent,
                                       transfer_seconds=stats.seconds)
         except KVTransferError as e:
-            w.metrics.count(w.metrics.transfer_failures, kind=e.kind)
+            w.metrics.count(w.metrics.transfer_failures, kind=e.kind, transport=transport)
             w.metrics.count(w.metrics.requests, outcome="failed")
             await context.abort(TRANSFER_STATUS.get(e.kind, grpc.StatusCode.INTERNAL), f"KV transfer failed: {e}")
         except (ServiceError, ValueError) as e:

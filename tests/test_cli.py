@@ -148,7 +148,7 @@ def test_nccl_on_a_cpu_worker_exits_2_before_loading_the_model(role, tiny_v3_dir
     proc = pdserve(role, "--model", tiny_v3_dir, "--device", "cpu", "--kv-transport", "nccl", timeout=60)
     line = assert_one_line_error(proc, role)
     assert line == (f"pdserve {role}: error: --kv-transport nccl needs a CUDA device; this worker runs on cpu: use "
-                    "tcp or gloo")
+                    "tcp or auto or gloo")
     assert "loaded shard" not in proc.stderr, "the check must come before the model load"
 
 
@@ -215,9 +215,9 @@ def test_make_tiny_model_rejects_unknown_arch(tmp_path, capsys):
     (["--help"], ["generate", "make-tiny-model", "prefill", "decode", "router"]),
     (["generate", "--help"], ["--model", "--prompt", "--input-ids", "--max-new-tokens", "--temperature", "--json",
                               "--load-format", "dummy"]),
-    (["prefill", "--help"], ["--kv-transport {gloo,nccl,tcp}", "--no-kv-layerwise"]),
-    (["decode", "--help"], ["--kv-transport {gloo,nccl,tcp}", "--kv-port"]),
-    (["up", "--help"], ["--kv-transport {gloo,nccl,tcp}"]),
+    (["prefill", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--no-kv-layerwise"]),
+    (["decode", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--kv-port"]),
+    (["up", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}"]),
 ], ids=["pdserve", "generate", "prefill", "decode", "up"])
 def test_help(args, flags):
     proc = pdserve(*args)

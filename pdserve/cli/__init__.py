@@ -66,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--http-port", type=int, default=None,
                     help="router's OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions; default off)")
     ug.add_argument("--transfer-timeout", type=float, default=300.0)
-    ug.add_argument("--kv-transport", default="tcp", choices=LazyChoices(serve.kv_transport_names),
-                    help="KV transport of every worker (default tcp); with nccl, worker k runs on cuda:k (NCCL "
-                         "pairs two different GPUs)")
+    ug.add_argument("--kv-transport", default="auto", choices=LazyChoices(serve.kv_transport_names),
+                    help=serve.KV_TRANSPORT_HELP + "; with nccl, worker k runs on cuda:k. With --device cuda and "
+                    "auto, every worker shares the GPU and KV moves over cuda_ipc, never through the host")
     ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
     serve.add_warmup_args(ug)
     up.set_defaults(func=serve.cmd_up)

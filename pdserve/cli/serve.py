@@ -35,9 +35,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one, printed at start)")
     g.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
     g.add_argument("--worker-id", default=None, help="stable id (default: role-hostname-pid-random)")
-    g.add_argument("--kv-transport", default="tcp", choices=LazyChoices(kv_transport_names),
-                   help="how KV moves between tiers: tcp (sockets, any device), nccl (GPU to GPU), gloo (CPU "
-                        "pools); prefill and decode must use the same (default tcp)")
+    g.add_argument("--kv-transport", default="auto", choices=LazyChoices(kv_transport_names),
+                   help=KV_TRANSPORT_HELP)
     g.add_argument("--transfer-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a KV transfer may take before the request fails (default 300)")
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -64,6 +63,15 @@ def add_warmup_args(g) -> None:
     g.add_argument("--skip-warmup", action="store_true",
                    help="report SERVING without first running each prompt size and decode batch once (on a GPU the "
                         "first requests then wait for kernel compiles; for tests that do not need it)")
+
+
+KV_TRANSPORT_HELP = (
+    "how KV moves from prefill to decode: auto (default) picks cuda_ipc when the two workers are on one host and "
+    "the prefill GPU can write to the decode pool's GPU (the same GPU, or peer access), else tcp; the choice is "
+    "logged when a pair first connects and is the `transport` label of pdserve_kv_transfer_*. cuda_ipc: the prefill "
+    "worker writes into the decode pool over CUDA IPC (same host, refused otherwise); tcp: through the host, any "
+    "device; nccl: GPU to GPU over NCCL, two different GPUs (never picked by auto); gloo: CPU pools. Both tiers "
+    "take the same value, or auto on either side of tcp or cuda_ipc")
 
 
 def kv_transport_names() -> list[str]:
@@ -134,6 +142,17 @@ def _nccl_error_handling(args: argparse.Namespace) -> None:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
 
 
+def _show_kv_pairings() -> None:
+    """NOTE: which transport each prefill/decode pair uses (and why auto fell back) is logged at INFO by
+    pdserve.kv_transfer; a worker shows those lines on stderr (it configures no other logging)."""
+    kv_log = logging.getLogger("pdserve.kv_transfer")
+    if kv_log.level == logging.NOTSET and not kv_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[pdserve] %(message)s"))
+        kv_log.addHandler(handler)
+        kv_log.setLevel(logging.INFO)
+
+
 def _startup_times(start: float, built: float, warmup) -> str:
     """' (ready in 9.1 s: engine 3.2 s, warm-up 5.9 s)': where a worker's start-up went."""
     parts = [f"engine {built:.1f} s"] + ([f"warm-up {warmup.seconds:.1f} s"] if warmup else ["no warm-up"])
@@ -147,6 +166,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
 
     _nccl_error_handling(args)
+    _show_kv_pairings()
     start = time.monotonic()
     config = PrefillWorkerConfig(engine_config_from_args(args, prefill_only=True), host=args.host, port=args.port,
                                  kv_transport=args.kv_transport, kv_layerwise=not args.no_kv_layerwise,
@@ -189,6 +209,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from pdserve.serving.metrics import Metrics, SpecMetrics
 
     _nccl_error_handling(args)
+    _show_kv_pairings()
     start = time.monotonic()
     engine = engine_config_from_args(args)
     # Decode keeps no prefix cache: its pages come from prefill and return to the pool when a request ends.

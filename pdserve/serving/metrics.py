@@ -31,9 +31,9 @@ class Metrics:
     prefix_hit_tokens: Counter
     prompt_tokens: Counter
     generated_tokens: Counter
-    transfer_bytes: Counter
-    transfer_seconds: Histogram
-    transfer_failures: Counter
+    transfer_bytes: Counter  # by transport (tcp, cuda_ipc, nccl, gloo): what the pair's rows travelled over
+    transfer_seconds: Histogram  # by transport; record through Metrics.observe
+    transfer_failures: Counter  # by kind and transport
     router_decisions: Counter  # by reason: prefix_hit, load
     redis_errors: Counter
     registrations_rejected: Counter  # router: Redis worker entries refused (by reason: signature, expired, unsigned)
@@ -70,9 +70,12 @@ class Metrics:
             prefix_hit_tokens=counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
             prompt_tokens=counter("pdserve_prompt_tokens", "Prompt tokens received"),
             generated_tokens=counter("pdserve_generation_tokens", "Tokens generated"),
-            transfer_bytes=counter("pdserve_kv_transfer_bytes", "KV bytes sent or received"),
-            transfer_seconds=hist("pdserve_kv_transfer_seconds", "KV transfer time per request", TRANSFER_BUCKETS),
-            transfer_failures=counter("pdserve_kv_transfer_failures", "Requests whose KV transfer failed", ["kind"]),
+            transfer_bytes=counter("pdserve_kv_transfer_bytes", "KV bytes sent or received, by transport",
+                                   ["transport"]),
+            transfer_seconds=Histogram("pdserve_kv_transfer_seconds", "KV transfer time per request, by transport",
+                                       ["role", "transport"], buckets=TRANSFER_BUCKETS, registry=r),
+            transfer_failures=counter("pdserve_kv_transfer_failures", "Requests whose KV transfer failed",
+                                      ["kind", "transport"]),
             router_decisions=counter("pdserve_router_decisions", "Prefill worker choices by reason", ["reason"]),
             redis_errors=counter("pdserve_redis_errors", "Failed Redis calls (routing degrades to load only)"),
             registrations_rejected=counter("pdserve_worker_registrations_rejected",
@@ -94,6 +97,10 @@ class Metrics:
 
     def count(self, counter: Counter, amount: float = 1.0, **labels: str) -> None:
         counter.labels(role=self._role, **labels).inc(amount)  # type: ignore[attr-defined]
+
+    def observe(self, histogram: Histogram, value: float, **labels: str) -> None:
+        """For the histograms with labels beyond the role (transfer_seconds)."""
+        histogram.labels(role=self._role, **labels).observe(value)  # type: ignore[attr-defined]
 
 
 class SpecMetrics:
