@@ -25,6 +25,9 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              concurrency 1 8 32 128, demo model and V3 slice, the engine alone on the same prompts; cold kernel
              caches first (~4 min on an H200; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
   kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
+  kv-ipc     one GPU: the cuda_ipc KV-transfer tests, bench_kv_transfer.py --backend cuda_ipc (V3-slice and 61-layer
+             KV, 2k and 16k tokens, against a device copy; tcp beside it), then TTFT at concurrency 1 through
+             `pdserve up --device cuda` on the V3 slice, cuda_ipc vs tcp, 2k and 16k prompts (~7 min)
   all        tests, decode, prefill, mla, moe, spec and serving in turn (longer than one device call's 10 minutes)
 
 Files land in $OUT/SUITE/ (default $OUT=/tmp/pdserve-bench): SUITE.log with everything printed (the GPU and
@@ -155,6 +158,32 @@ suite_kv() {
   step 280 python3 benchmarks/bench_kv_transfer.py --out "$d/kv_transfer.json" "$@"
 }
 
+suite_kv_ipc() {  # kv-ipc.log, kv_ipc.json, ttft_<transport>_<len>.json, up_<transport>.log
+  local d=$1 t len port model
+  shift
+  step 200 python3 -m pytest -v -p no:cacheprovider -rfEs tests/test_gpu_kv_ipc.py
+  step 100 python3 benchmarks/bench_kv_transfer.py --backend cuda_ipc --prefill-device cuda:0 --tokens 2048 16384 \
+    --layer-sets 5 61 --compare-tcp --iters 10 --warmup 2 --out "$d/kv_ipc.json" "$@"
+  # TTFT at concurrency 1 through the stack (router + prefill + decode on this GPU), V3 slice with dummy FP8
+  # weights; no warm-up at start: one request per prompt length first, then 5 measured.
+  model=$(python3 -c "from benchmarks.bench_serving import write_v3_config; print(write_v3_config('/tmp/kv-ipc', 4))")
+  for t in cuda_ipc tcp; do
+    port=$((50100 + RANDOM % 1000))
+    python3 -m pdserve up --model "$model" --load-format dummy --device cuda --kv-transport "$t" --skip-warmup \
+      --port "$port" --num-pages 4096 --max-num-batched-tokens 4096 >"$d/up_$t.log" 2>&1 &
+    local up=$!
+    for _ in $(seq 120); do grep -q "pdserve is up" "$d/up_$t.log" && break; sleep 1; done
+    for len in 2048 16384; do
+      step 60 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts 1 --input-len "$len" \
+        --output-len 2 --max-concurrency 1 --no-progress >/dev/null
+      step 60 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts 5 --input-len "$len" \
+        --output-len 2 --max-concurrency 1 --no-progress --seed 7 --json "$d/ttft_${t}_$len.json"
+    done
+    kill -INT "$up"; wait "$up"
+    grep "over cuda_ipc\|over tcp\|KV pair" "$d/up_$t.log" | head -4
+  done
+}
+
 run_suite() {  # run_suite NAME [extra args]: $OUT/NAME/NAME.log and the suite's files
   local name=$1 d=$OUT/$1
   shift
@@ -181,6 +210,10 @@ case "$suite" in
   "" | -h | --help | help)
     usage
     exit 0 ;;
+  kv-ipc)
+    need_gpus 1 kv-ipc
+    setup_env
+    run_suite kv-ipc "$@" ;;
   kv)
     need_gpus 2 kv
     setup_env
