@@ -313,3 +313,26 @@ def test_a_sender_that_never_releases_loses_its_pairing(cleanup):
     h2, pages = send(s, decode, 32)  # the sender pairs again
     h2.wait(timeout=5)
     assert landed(decode, 32, pages)
+
+
+# ---- real worker processes ---------------------------------------------------------------------------------------
+
+def test_workers_log_and_label_the_transport_their_pairing_chose(tiny_v3_dir, tmp_path):
+    """`pdserve prefill` / `decode` with the default --kv-transport (auto) on the CPU: the pair settles on tcp, both
+    workers say so and why on stderr, and the prefill worker's transfer metrics carry transport="tcp"."""
+    from pdserve.sampling import SamplingParams
+    from stack import generate, scrape, start_stack
+
+    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cpu", "--skip-warmup"])
+    try:
+        result = generate(stack.router.address, [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=3, temperature=0.0))
+        assert result.completion_tokens == 3
+        prefill_log, decode_log = stack.prefill[0].log_path.read_text(), stack.decode[0].log_path.read_text()
+        why = "cuda_ipc impossible: the decode worker's KV pool is not on a GPU"
+        assert f"over tcp ({why})" in prefill_log, prefill_log[-2000:]
+        assert "paired with prefill" in decode_log and why in decode_log, decode_log[-2000:]
+        metrics = scrape(stack.prefill[0])
+        assert 'pdserve_kv_transfer_bytes_total{role="prefill",transport="tcp"}' in metrics
+        assert 'pdserve_kv_transfer_seconds_count{role="prefill",transport="tcp"} 1.0' in metrics
+    finally:
+        stack.stop()
