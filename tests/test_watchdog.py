@@ -81,3 +81,27 @@ def test_frozen_decode_worker_fails_over_and_rejoins(tiny_v3_dir, tmp_path):
             assert idle.num_free_pages == idle.num_total_pages and idle.num_transferring == 0, (proc.address, idle)
     finally:
         stack.stop()
+
+
+def test_a_request_waits_for_a_worker_to_be_back_within_its_deadline(tiny_v3_dir, tmp_path):
+    """The only decode worker is out of routing (frozen): a request that arrives then waits for it, up to
+    --wait-for-worker (5 s) and its deadline, instead of failing at once, and completes once it is back."""
+    stack = start_stack(tiny_v3_dir, tmp_path, n_prefill=1, n_decode=1)
+    decode = stack.decode[0]
+    try:
+        assert one(stack.router.address, [5, 6, 7], 4)[0] == "OK"
+        decode.popen.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(DETECT_S + 1.0)  # out of routing by now
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(one, stack.router.address, [5, 6, 7, 8], 4, 30.0)
+                time.sleep(1.5)
+                assert not waiting.done(), f"the request did not wait for a worker: {waiting.result()}"
+                decode.popen.send_signal(signal.SIGCONT)
+                status, tokens, seconds = waiting.result(timeout=30)
+        finally:
+            decode.popen.send_signal(signal.SIGCONT)
+        assert (status, tokens) == ("OK", 4) and 1.5 <= seconds < 5.0 + MARGIN_S, (status, tokens, seconds)
+        assert counters(stack.router, "pdserve_workers_down_total", "reason").get("missed_checks", 0) >= 1
+    finally:
+        stack.stop()
