@@ -57,6 +57,7 @@ class DecodeEngine:
         if request_id in self.pending or request_id in self.cancelling or self.core.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use on this decode worker")
         self.core.encode(prompt_ids)  # vocabulary check
+        self.core.check_logprobs(params)
         if params.stop and self.core.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer and this model has no tokenizer.json")
         if len(prompt_ids) + 1 > self.core.scheduler.config.max_model_len:

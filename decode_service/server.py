@@ -19,7 +19,9 @@ from pdserve.serving.grpc_shell import (
 )
 from pdserve.kv_transfer import KVTransferError, RequestReceiver, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
-from pdserve.serving.rpc_convert import finish_to_proto, layout_to_proto, sampling_from_proto, usage_to_proto
+from pdserve.serving.rpc_convert import (
+    finish_to_proto, layout_to_proto, logprobs_to_proto, sampling_from_proto, usage_to_proto,
+)
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -64,13 +66,15 @@ class Stream:
     attached: bool = False  # a Decode call reads it
     held: object = None  # an item taken off the queue behind merged outputs, next in line
 
-    async def next_item(self) -> tuple[object, list[int], str]:
-        """(item, token ids, text): the next output with every output queued behind it merged in (several tokens
-        in one message when the reader falls behind the engine; the last one's state counts), or an error."""
+    async def next_item(self) -> tuple[object, list[int], str, Optional[list]]:
+        """(item, token ids, text, logprobs): the next output with every output queued behind it merged in (several
+        tokens in one message when the reader falls behind the engine; the last one's state counts), or an error.
+        logprobs: one per token when the request asked for them, else None."""
         item, self.held = (self.held, None) if self.held is not None else (await self.queue.get(), None)
         if not isinstance(item, RequestOutput):
-            return item, [], ""
+            return item, [], "", None
         token_ids, text = list(item.new_token_ids), item.new_text
+        logprobs = None if item.logprobs is None else list(item.logprobs)
         while not item.finished and not self.queue.empty():
             later = self.queue.get_nowait()
             if not isinstance(later, RequestOutput):
@@ -79,7 +83,9 @@ class Stream:
             item = later
             token_ids += later.new_token_ids
             text += later.new_text
-        return item, token_ids, text
+            if logprobs is not None:
+                logprobs += later.logprobs or [None] * len(later.new_token_ids)
+        return item, token_ids, text, logprobs
 
 
 class DecodeWorker:
@@ -119,10 +125,21 @@ class DecodeWorker:
         outputs = self.engine.step()
         if outputs:  # one hand-off to the event loop per step, not one per request
             self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
         self.metrics.running.set(len(sched.running))
         self.metrics.queue_length.set(self.engine.num_transferring)
         self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request on the engine thread; the gauges follow at once (an idle engine runs no step that would
+        refresh them)."""
+        def run() -> None:
+            self.engine.abort(request_id)
+            self._update_gauges()
+        self.loop.submit(run)
 
     def _output(self, out: RequestOutput) -> None:
         self.aio_loop.call_soon_threadsafe(self._deliver, out.request_id, out)
@@ -179,7 +196,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             except asyncio.CancelledError:
                 # The caller went away (deadline, cancel) while the engine reserved. The engine thread runs its
                 # commands in order, so this abort finds the reservation if one was made.
-                w.loop.submit(lambda: w.engine.abort(rid))
+                w.abort(rid)
                 raise
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
@@ -201,7 +218,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
         finished = False
         try:
             while True:
-                item, token_ids, text = await stream.next_item()
+                item, token_ids, text, logprobs = await stream.next_item()
                 if isinstance(item, KVTransferError):
                     w.metrics.count(w.metrics.requests, outcome="failed")
                     code = grpc.StatusCode.DEADLINE_EXCEEDED if item.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
@@ -217,7 +234,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
                         w.metrics.itl.observe(gap)
                 stream.last_token_time = now
                 w.metrics.count(w.metrics.generated_tokens, len(token_ids))
-                msg = pb.DecodeResponse(token_ids=token_ids, text=text)
+                msg = pb.DecodeResponse(token_ids=token_ids, text=text, logprobs=logprobs_to_proto(logprobs))
                 if item.finished:
                     finished = True
                     msg.finish_reason = finish_to_proto(item.finish_reason)
@@ -231,7 +248,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             w.streams.pop(request.request_id, None)
             if not finished:  # the router went away (client cancelled): free the pages now
                 w.metrics.count(w.metrics.requests, outcome="aborted")
-                w.loop.submit(lambda: w.engine.abort(stream.request_id))
+                w.abort(stream.request_id)
 
 
     def _release_unattached(self, stream: Stream) -> None:
@@ -242,7 +259,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
         log.info("request %s: no Decode call within %g s of its reservation; releasing it", stream.request_id,
                  RESERVATION_ATTACH_S)
         w.metrics.count(w.metrics.requests, outcome="aborted")
-        w.loop.submit(lambda: w.engine.abort(stream.request_id))
+        w.abort(stream.request_id)
 
 
 async def serve_decode(worker: DecodeWorker, ready=None) -> None:

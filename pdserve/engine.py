@@ -20,7 +20,9 @@ from pdserve.kv_cache import CacheConfig, LatentKVPool
 from pdserve.model_runner import ModelRunner
 from pdserve.prefix_cache import PrefixCache
 from pdserve.request import FinishReason, Request
-from pdserve.sampling import Sampler, SamplingParams, StopChecker, make_generator
+from pdserve.sampling import (
+    Sampler, SamplingParams, StopChecker, TokenLogprob, logprob_temperature, make_generator, token_logprobs,
+)
 from pdserve.scheduler import Scheduler, SchedulerConfig, SpecDecode
 from pdserve.spec_decode import NextNSpeculator, SpecObserver, SpeculativeConfig
 from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -73,6 +75,11 @@ class RequestOutput:
     finish_reason: Optional[str]
     prompt_tokens: int
     cached_tokens: int
+    # One per new token when the request asked for logprobs (None for a token sampled elsewhere: the decode tier's
+    # first token, whose logprob the prefill tier computed).
+    logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # With prompt_logprobs, on the request's first output: one per prompt token, None for the first.
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 class LLMEngine:
@@ -114,6 +121,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
+        self._prompt_logprobs: dict[str, dict[int, TokenLogprob]] = {}  # request id -> prompt position -> logprob
 
     def _capture_graphs(self, kernels: KernelBackends, max_model_len: int, progress: Optional[Callable[[str], None]]
                         ) -> tuple[Optional[DecodeGraphRunner], Optional[DecodeGraphRunner]]:
@@ -146,6 +154,7 @@ class LLMEngine:
                     arrival_time: Optional[float] = None, detokenize: bool = True) -> str:
         """detokenize=False: outputs carry no text (a prefill worker's first token is only shipped)."""
         ids = self.encode(prompt)
+        self.check_logprobs(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -185,6 +194,12 @@ class LLMEngine:
             self.speculator.adopt(req, hidden.to(self.pool.dtype))
         return out
 
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """NOTE: speculative rows emit several verified tokens per step without a per-token distribution here."""
+        if self.speculator is not None and params.logprobs is not None:
+            raise ValueError("logprobs: not available on a worker running speculative decoding "
+                             "(--speculative-algorithm); send the request without logprobs")
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -205,6 +220,7 @@ class LLMEngine:
         req = self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
         self._stops.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return req is not None
 
     def has_request(self, request_id: str) -> bool:
@@ -229,6 +245,9 @@ class LLMEngine:
         if forward.requests:  # a step may only advance prompt chunks
             tokens = self.sampler.sample(forward.logits, [r.params for r in forward.requests],
                                          [r.generator for r in forward.requests]).tolist()
+        logprobs = self._token_logprobs(forward.requests, forward.logits, tokens)
+        if scheduled.prefill and forward.extend_hidden is not None:
+            self._collect_prompt_logprobs(scheduled.prefill, forward.extend_hidden)
         if prompts:
             completed = set(map(id, prompts))
             rows = [i for i, r in enumerate(forward.requests) if id(r) in completed]  # prompts, in sampling order
@@ -238,7 +257,8 @@ class LLMEngine:
             verified, stats = self.speculator.propose_and_verify(scheduled.spec_decode)
             self.speculator.extend(verified, stats)  # queued on the device before the host's bookkeeping below
         self.scheduler.update(scheduled)
-        outputs = [self._append(req, [tok]) for req, tok in zip(forward.requests, tokens)]
+        outputs = [self._append(req, [tok], logprobs=None if lp is None else [lp])
+                   for req, tok, lp in zip(forward.requests, tokens, logprobs)]
         if self.speculator is not None:
             going_on = [i for i, o in enumerate(outputs) if not o.finished]
             self.speculator.prime([forward.requests[i] for i in going_on], forward.hidden[going_on])
@@ -248,10 +268,57 @@ class LLMEngine:
             self.spec_observer.on_spec_round(stats)
         return outputs
 
-    def _append(self, req: Request, tokens: list[int], spec_row: Optional[SpecDecode] = None) -> RequestOutput:
-        """Append a step's tokens (several from a speculative row), cut after the first that finishes the request."""
+    # ---- logprobs: computed only for the rows that ask ---------------------------------------------------------
+    def _token_logprobs(self, requests: list[Request], logits: torch.Tensor, tokens: list[int]
+                        ) -> list[Optional[TokenLogprob]]:
+        """Per sampled row: its token's logprob and top alternatives (None where the request did not ask)."""
+        out: list[Optional[TokenLogprob]] = [None] * len(tokens)
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return out
+        num_top = max(requests[i].params.logprobs for i in rows)
+        computed = token_logprobs(logits[rows], [tokens[i] for i in rows],
+                                  [logprob_temperature(requests[i].params) for i in rows], num_top)
+        for i, lp in zip(rows, computed):
+            out[i] = dataclasses.replace(lp, top=lp.top[: requests[i].params.logprobs])
+        return out
+
+    def _collect_prompt_logprobs(self, chunks, extend_hidden: torch.Tensor) -> None:
+        """For requests with prompt_logprobs: the logprob of prompt token p+1 from the logits at position p, for
+        every prompt position this step computed (their prompts skip the prefix cache, so every position is)."""
+        offset = 0
+        for c in chunks:
+            req, start = c.request, offset
+            offset += c.num_tokens
+            k = req.params.prompt_logprobs
+            if k is None or req.output_ids:  # recomputed after a preemption: already reported
+                continue
+            positions = [p for p in range(c.start, c.start + c.num_tokens) if p + 1 < req.num_prompt_tokens]
+            if not positions:
+                continue
+            rows = torch.tensor([start + p - c.start for p in positions], device=extend_hidden.device)
+            logits = self.model.logits(extend_hidden[rows])  # (positions, vocab) fp32
+            computed = token_logprobs(logits, [req.prompt_ids[p + 1] for p in positions],
+                                      [logprob_temperature(req.params)] * len(positions), k)
+            self._prompt_logprobs.setdefault(req.request_id, {}).update(zip(positions, computed))
+
+    def _take_prompt_logprobs(self, req: Request) -> Optional[list[Optional[TokenLogprob]]]:
+        if req.params.prompt_logprobs is None or req.output_ids:
+            return None
+        got = self._prompt_logprobs.pop(req.request_id, {})
+        return [None] + [got.get(p) for p in range(req.num_prompt_tokens - 1)]
+
+    def _append(self, req: Request, tokens: list[int], spec_row: Optional[SpecDecode] = None,
+                logprobs: Optional[list[Optional[TokenLogprob]]] = None) -> RequestOutput:
+        """Append a step's tokens (several from a speculative row), cut after the first that finishes the request.
+        logprobs: one per token where the request asked for them."""
+        prompt_logprobs = self._take_prompt_logprobs(req)
         update = self._stops[req.request_id].update(tokens)
         tokens = tokens[: update.num_accepted]
+        if req.params.logprobs is not None:
+            logprobs = (logprobs or [None] * len(tokens))[: len(tokens)]
+        else:
+            logprobs = None
         req.output_ids.extend(tokens)
         if spec_row is not None:
             self.scheduler.update_speculative(spec_row, len(tokens))
@@ -263,7 +330,7 @@ class LLMEngine:
             self._requests.pop(req.request_id)
             self._stops.pop(req.request_id)
         return RequestOutput(req.request_id, tokens, update.text, reason is not None, list(req.output_ids),
-                             reason, req.num_prompt_tokens, req.num_cached_tokens)
+                             reason, req.num_prompt_tokens, req.num_cached_tokens, logprobs, prompt_logprobs)
 
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  ) -> list[RequestOutput]:
@@ -273,11 +340,19 @@ class LLMEngine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         final: dict[str, RequestOutput] = {}
         texts: dict[str, str] = {i: "" for i in ids}
+        logprobs: dict[str, list] = {i: [] for i in ids}
+        prompt_logprobs: dict[str, Optional[list]] = {}
         while self.has_unfinished:
             for out in self.step():
                 texts[out.request_id] += out.new_text
+                logprobs[out.request_id] += out.logprobs or []
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     out.new_text = texts[out.request_id]  # whole text for the caller
+                    if out.logprobs is not None:  # and every token's logprobs
+                        out.logprobs = logprobs[out.request_id]
+                    out.prompt_logprobs = prompt_logprobs.get(out.request_id)
                     final[out.request_id] = out
         return [final[i] for i in ids]
 

@@ -12,7 +12,7 @@ from typing import Collection, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from pdserve.common.values import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from pdserve.common.values import FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenLogprob
 
 
 def make_generator(seed: Optional[int], device: torch.device | str = "cpu") -> Optional[torch.Generator]:
@@ -76,6 +76,33 @@ class Sampler:
             probs = probs_after_processing(logits[i], p)
             out[i] = torch.multinomial(probs, 1, generator=gen)[0]
         return out
+
+
+def logprob_temperature(params: SamplingParams) -> float:
+    """What the logits are divided by before the log-softmax that logprobs report: the temperature the sampler
+    used, 1 for greedy rows (OpenAI reports the model's own distribution at temperature 0)."""
+    return 1.0 if params.is_greedy else params.temperature
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], temperatures: Sequence[float],
+                   num_top: int) -> list[TokenLogprob]:
+    """logits (rows, vocab), the token of each row and its temperature -> each token's log-probability and the
+    `num_top` most likely tokens of its row (ties: lowest id first). Called only for rows that asked for logprobs,
+    so a batch without them pays nothing. fp32 throughout."""
+    assert logits.dim() == 2 and logits.shape[0] == len(token_ids) == len(temperatures)
+    if not len(token_ids):
+        return []
+    temps = torch.tensor(list(temperatures), dtype=torch.float32, device=logits.device)
+    lp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # (rows, vocab)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    tops: list[tuple] = [()] * len(token_ids)
+    if num_top > 0:
+        # Sorting ascending ids first then a stable descending sort keeps the lowest id first among equal values.
+        values, order = torch.sort(lp, dim=-1, descending=True, stable=True)
+        values, order = values[:, :num_top].tolist(), order[:, :num_top].tolist()
+        tops = [tuple(zip(o, v)) for o, v in zip(order, values)]
+    return [TokenLogprob(int(t), float(c), top) for t, c, top in zip(token_ids, chosen, tops)]
 
 
 def _token_finish_reason(

@@ -172,8 +172,9 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            pages, cached = (self.prefix_cache.match(req.all_token_ids) if self.config.enable_prefix_cache
-                             else ([], 0))
+            # A prompt whose every position's logprobs are asked for is computed in full.
+            reuse = self.config.enable_prefix_cache and req.params.prompt_logprobs is None
+            pages, cached = self.prefix_cache.match(req.all_token_ids) if reuse else ([], 0)
             n = min(req.num_tokens - cached, budget)
             need = -(-(cached + n) // self.page_size) - len(pages)
             new = self.prefix_cache.alloc_with_eviction(need)

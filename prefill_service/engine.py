@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.common.blocks import block_hashes
+from pdserve.common.values import TokenLogprob
 from pdserve.engine import LLMEngine, StepHooks
 from pdserve.kv_transfer import KVSender, SendHandle
 from pdserve.request import Request
@@ -42,6 +43,8 @@ class PrefillResult:
     cached_tokens: int
     handle: SendHandle  # wait() for the transfer's completion off the engine thread
     ttft_s: float
+    first_token_logprob: Optional[TokenLogprob] = None  # with params.logprobs
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # with params.prompt_logprobs (first: None)
 
 
 class PrefillEngine(StepHooks):
@@ -80,7 +83,8 @@ class PrefillEngine(StepHooks):
         # The first token is drawn exactly as the single-process engine would draw it; the generator state then
         # travels with the KV so decode continues the same random stream.
         first_only = SamplingParams(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                    seed=p.seed, ignore_eos=True)
+                                    seed=p.seed, ignore_eos=True, logprobs=p.logprobs,
+                                    prompt_logprobs=p.prompt_logprobs)
         self.core.add_request(job.prompt_ids, first_only, job.request_id, arrival_time=job.arrival_time,
                               detokenize=False)
         self._jobs[job.request_id] = (job, handle)
@@ -101,7 +105,8 @@ class PrefillEngine(StepHooks):
             if self.on_blocks is not None:
                 self.on_blocks(block_hashes(job.prompt_ids, self.pool.page_size))
             results.append(PrefillResult(out.request_id, out.output_ids[0], out.cached_tokens, handle,
-                                         time.monotonic() - job.arrival_time))
+                                         time.monotonic() - job.arrival_time,
+                                         out.logprobs[0] if out.logprobs else None, out.prompt_logprobs))
         return results
 
     # ---- StepHooks: called inside LLMEngine.step -------------------------------------------------------------------

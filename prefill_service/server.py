@@ -18,7 +18,9 @@ from pdserve.serving.grpc_shell import (
 )
 from pdserve.kv_transfer import KVTransferError, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
-from pdserve.serving.rpc_convert import layout_from_proto, layout_to_proto, sampling_from_proto
+from pdserve.serving.rpc_convert import (
+    layout_from_proto, layout_to_proto, logprob_to_proto, logprobs_to_proto, sampling_from_proto,
+)
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -158,7 +160,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             try:
                 result = await result_future
             except asyncio.CancelledError:  # the router gave up (client cancelled): stop the work
-                w.loop.submit(lambda: w.engine.abort(rid))
+                w.loop.submit(lambda: (w.engine.abort(rid), w._update_gauges()))  # idle: no step refreshes them
                 raise
             w.metrics.count(w.metrics.prefix_hit_tokens, result.cached_tokens)
             start = time.monotonic()
@@ -166,9 +168,13 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             w.metrics.count(w.metrics.transfer_bytes, stats.bytes_sent, transport=transport)
             w.metrics.observe(w.metrics.transfer_seconds, time.monotonic() - start, transport=transport)
             w.metrics.count(w.metrics.requests, outcome="finished")
-            return pb.PrefillResponse(first_token_id=result.first_token_id, cached_tokens=result.cached_tokens,
+            resp = pb.PrefillResponse(first_token_id=result.first_token_id, cached_tokens=result.cached_tokens,
                                       evicted_block_hashes=w.drain_evicted(), kv_bytes=stats.bytes_sent,
-                                      transfer_seconds=stats.seconds)
+                                      transfer_seconds=stats.seconds,
+                                      prompt_logprobs=logprobs_to_proto((result.prompt_logprobs or [None])[1:]))
+            if result.first_token_logprob is not None:
+                resp.first_token_logprobs.CopyFrom(logprob_to_proto(result.first_token_logprob))
+            return resp
         except KVTransferError as e:
             w.metrics.count(w.metrics.transfer_failures, kind=e.kind, transport=transport)
             w.metrics.count(w.metrics.requests, outcome="failed")

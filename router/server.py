@@ -249,6 +249,10 @@ class Router:
                                                  deadline):
                         streamed = True
                         msg.request_id = rid
+                        if msg.HasField("complete"):
+                            # NOTE: before the yield: a caller that stops reading after the complete message (the
+                            # HTTP front) closes this generator at the yield, which must not count as an abort.
+                            outcome = "finished"
                         yield msg
                     outcome = "finished"
                     return
@@ -283,6 +287,10 @@ class Router:
         decode_call = prefill_task = None
         output_ids: list[int] = []
         text: list[str] = []
+        logprobs: list[gen_pb.TokenLogprobs] = []
+        # The first token's logprob and the prompt's come from the prefill worker's answer.
+        wants_prefill_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+        prefill_resp: Optional[pb.PrefillResponse] = None
         last = None
         decoding = False
         read: Optional[asyncio.Future] = None
@@ -333,11 +341,19 @@ class Router:
                 else:
                     m.itl.observe(now - last)
                 last = now
+                chunk = gen_pb.GenerateChunk(token_ids=msg.token_ids, text=msg.text)
+                if wants_prefill_logprobs and prefill_resp is None:
+                    prefill_resp = await prefill_task  # done or about to be: the KV it sent has arrived
+                    chunk.prompt_logprobs.extend(prefill_resp.prompt_logprobs)
+                    if params.logprobs is not None and msg.logprobs and not output_ids:
+                        msg.logprobs[0].CopyFrom(prefill_resp.first_token_logprobs)
+                if params.logprobs is not None:
+                    chunk.logprobs.extend(msg.logprobs)
+                    logprobs += msg.logprobs
                 output_ids += msg.token_ids
                 text.append(msg.text)
-                if msg.token_ids or msg.text:
-                    yield gen_pb.GenerateResponse(request_id=rid, chunk=gen_pb.GenerateChunk(
-                        token_ids=msg.token_ids, text=msg.text))
+                if msg.token_ids or msg.text or chunk.prompt_logprobs:
+                    yield gen_pb.GenerateResponse(request_id=rid, chunk=chunk)
                 if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
                     resp = await prefill_task
                     self._learn_ownership(prefill, hashes, resp)
@@ -347,7 +363,8 @@ class Router:
                     m.count(m.prefix_hit_tokens, resp.cached_tokens)
                     yield gen_pb.GenerateResponse(request_id=rid, complete=gen_pb.GenerateComplete(
                         output_ids=output_ids, finish_reason=msg.finish_reason, usage=msg.usage,
-                        text="".join(text)))
+                        text="".join(text), logprobs=logprobs,
+                        prompt_logprobs=resp.prompt_logprobs if params.prompt_logprobs is not None else []))
                     return
         finally:
             # On any early exit (client cancel, a worker failing) both workers drop the request and free pages.

@@ -17,6 +17,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # What the wire types of generate.proto's SamplingParams hold: larger values cannot be sent to a worker, so they are
 # refused here, naming the field, instead of failing later as protobuf's "Value out of range".
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+MAX_LOGPROBS = 20  # alternatives per position a request may ask for (OpenAI's chat limit)
 FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -32,6 +33,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities of each generated token plus its `logprobs` most likely alternatives (None: not computed;
+    # 0: the chosen token's alone). `prompt_logprobs` likewise for every prompt token after the first (OpenAI's
+    # `echo`); computed on the prefill worker, and such a prompt is computed in full (no prefix-cache reuse).
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         # NOTE: a bare string would otherwise become a tuple of one-character stop strings.
@@ -55,12 +61,28 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t <= UINT32_MAX]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad[:5]!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                                 f"got {value!r}")
 
     @property
     def is_greedy(self) -> bool:
         # As in vLLM: dividing by a temperature this small overflows float32 logits to inf (then NaN).
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the distribution it was drawn from (log-softmax of the logits divided by the
+    temperature when sampling, of the raw logits when greedy; top-k/top-p not applied), and the `top` most likely
+    tokens of that distribution as (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class FinishReason(str, enum.Enum):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from pdserve.common.values import KVLayout
-from pdserve.common.values import SamplingParams
+from pdserve.common.values import KVLayout, SamplingParams, TokenLogprob
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as worker_pb
 
@@ -27,6 +26,8 @@ def sampling_from_proto(msg: gen_pb.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -36,7 +37,23 @@ def sampling_to_proto(p: SamplingParams) -> gen_pb.SamplingParams:
                                 ignore_eos=p.ignore_eos)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
+
+
+def logprob_to_proto(lp: Optional[TokenLogprob]) -> gen_pb.TokenLogprobs:
+    """None (a token whose logprob another worker computed) -> an empty entry."""
+    if lp is None:
+        return gen_pb.TokenLogprobs()
+    return gen_pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                                top=[gen_pb.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprobs_to_proto(lps: Optional[Sequence[Optional[TokenLogprob]]]) -> list[gen_pb.TokenLogprobs]:
+    return [logprob_to_proto(lp) for lp in lps or ()]
 
 
 def layout_to_proto(layout: KVLayout) -> worker_pb.KVLayout:

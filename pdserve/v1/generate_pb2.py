@@ -24,33 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"#\n\x0eTokenizedInput\x12\x11\n\tinput_ids\x18\x01 \x03(\r\"\xfc\x01\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xa5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\ttokenized\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.TokenizedInputH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"0\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x87\x01\n\x10GenerateComplete\x12\x12\n\noutput_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.GenerateCompleteH\x00\x42\x06\n\x04kind\"\x15\n\x13GetModelInfoRequest\"z\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nmodel_type\x18\x05 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"#\n\x0eTokenizedInput\x12\x11\n\tinput_ids\x18\x01 \x03(\r\"\xd2\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xa5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\ttokenized\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.TokenizedInputH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x91\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xe8\x01\n\x10GenerateComplete\x12\x12\n\noutput_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.GenerateCompleteH\x00\x42\x06\n\x04kind\"\x15\n\x13GetModelInfoRequest\"z\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nmodel_type\x18\x05 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1061
-  _globals['_FINISHREASON']._serialized_end=1181
+  _globals['_FINISHREASON']._serialized_start=1484
+  _globals['_FINISHREASON']._serialized_end=1604
   _globals['_TOKENIZEDINPUT']._serialized_start=41
   _globals['_TOKENIZEDINPUT']._serialized_end=76
   _globals['_SAMPLINGPARAMS']._serialized_start=79
-  _globals['_SAMPLINGPARAMS']._serialized_end=331
-  _globals['_GENERATEREQUEST']._serialized_start=334
-  _globals['_GENERATEREQUEST']._serialized_end=499
-  _globals['_USAGE']._serialized_start=501
-  _globals['_USAGE']._serialized_end=581
-  _globals['_GENERATECHUNK']._serialized_start=583
-  _globals['_GENERATECHUNK']._serialized_end=631
-  _globals['_GENERATECOMPLETE']._serialized_start=634
-  _globals['_GENERATECOMPLETE']._serialized_end=769
-  _globals['_GENERATERESPONSE']._serialized_start=772
-  _globals['_GENERATERESPONSE']._serialized_end=912
-  _globals['_GETMODELINFOREQUEST']._serialized_start=914
-  _globals['_GETMODELINFOREQUEST']._serialized_end=935
-  _globals['_MODELINFO']._serialized_start=937
-  _globals['_MODELINFO']._serialized_end=1059
-  _globals['_GENERATION']._serialized_start=1184
-  _globals['_GENERATION']._serialized_end=1341
+  _globals['_SAMPLINGPARAMS']._serialized_end=417
+  _globals['_GENERATEREQUEST']._serialized_start=420
+  _globals['_GENERATEREQUEST']._serialized_end=585
+  _globals['_USAGE']._serialized_start=587
+  _globals['_USAGE']._serialized_end=667
+  _globals['_TOKENLOGPROB']._serialized_start=669
+  _globals['_TOKENLOGPROB']._serialized_end=718
+  _globals['_TOKENLOGPROBS']._serialized_start=720
+  _globals['_TOKENLOGPROBS']._serialized_end=809
+  _globals['_GENERATECHUNK']._serialized_start=812
+  _globals['_GENERATECHUNK']._serialized_end=957
+  _globals['_GENERATECOMPLETE']._serialized_start=960
+  _globals['_GENERATECOMPLETE']._serialized_end=1192
+  _globals['_GENERATERESPONSE']._serialized_start=1195
+  _globals['_GENERATERESPONSE']._serialized_end=1335
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1337
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1358
+  _globals['_MODELINFO']._serialized_start=1360
+  _globals['_MODELINFO']._serialized_end=1482
+  _globals['_GENERATION']._serialized_start=1607
+  _globals['_GENERATION']._serialized_end=1764
 # @@protoc_insertion_point(module_scope)

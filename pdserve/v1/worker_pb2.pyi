@@ -71,18 +71,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., dst_pages: _Optional[_Iterable[int]] = ..., dst_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "cached_tokens", "evicted_block_hashes", "kv_bytes", "transfer_seconds")
+    __slots__ = ("first_token_id", "cached_tokens", "evicted_block_hashes", "kv_bytes", "transfer_seconds", "first_token_logprobs", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     cached_tokens: int
     evicted_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     kv_bytes: int
     transfer_seconds: float
-    def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+    first_token_logprobs: _generate_pb2.TokenLogprobs
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., first_token_logprobs: _Optional[_Union[_generate_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -91,16 +95,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _generate_pb2.FinishReason
     usage: _generate_pb2.Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
