@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP front door of the router: `GET /v1/models`, `POST /v1/completions`,
-`POST /v1/chat/completions`, with SSE streaming and `usage`.
+"""OpenAI-compatible HTTP front door of the router: `GET /v1/models[/{id}]`, `POST /v1/completions`,
+`POST /v1/chat/completions`, with SSE streaming, `usage`, `n`, `logprobs` (chat: `logprobs` + `top_logprobs`) and
+`echo`; `GET /health` and `GET /metrics` (the router's Prometheus metrics) as vLLM and SGLang serve them.
 
 It runs on the router's asyncio loop, in the router's process (aiohttp), and every request goes through
 `Router.generate`, the same path as gRPC's Generate, so both fronts route, check, count and cancel alike. It shares
@@ -14,7 +15,9 @@ Extensions beyond OpenAI's fields (as vLLM names them): `top_k`, `ignore_eos`, `
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +27,7 @@ import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 import grpc
 import jinja2
@@ -33,7 +36,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdserve.serving.auth import SecurityConfig, token_accepted
 from pdserve.serving.grpc_shell import Drain, ServiceError
-from pdserve.common.values import SamplingParams
+from pdserve.common.values import MAX_LOGPROBS, SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 
 from .server import Router
@@ -48,9 +51,9 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "
 ROUTER_FIELDS = {"prompt": "prompt", "messages": "messages", "sampling_params.max_new_tokens": "max_tokens",
                  "sampling_params.stop_token_ids": "stop_token_ids", "sampling_params.stop": "stop"}
 # Request fields pdserve cannot honour, with the values that mean "not used": anything else is a 400, not ignored.
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "frequency_penalty": (None, 0),
-               "presence_penalty": (None, 0)}
+UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "frequency_penalty": (None, 0),
+               "presence_penalty": (None, 0), "response_format": (None, {"type": "text"})}
+MAX_N = 16  # choices per request (each is a generation of its own)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # X-Accel-Buffering: a buffering reverse proxy (nginx) would otherwise hold tokens back until the end.
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -144,12 +147,44 @@ def _number(body: dict, name: str, default: float) -> float:
         raise bad(f"{name} must be a finite number", name) from None
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """Alternatives per token asked for (None: no logprobs). Completions: `logprobs` is that number; chat:
+    `logprobs` is a boolean and `top_logprobs` the number."""
+    if not chat:
+        value = _typed(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]")
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {value}", "logprobs")
+        return value
+    top = _typed(body, "top_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]")
+    if not _typed(body, "logprobs", (bool,), "a boolean", False):
+        if top is not None:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    return top or 0
+
+
+def num_choices(body: dict) -> int:
+    n = _typed(body, "n", (int,), "an integer", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad(f"n must be an integer in [1, {MAX_N}], got {n}", "n")
+    best_of = _typed(body, "best_of", (int,), "an integer", n)
+    if best_of != n:
+        raise bad("best_of: only best_of equal to n is supported (every generated choice is returned)", "best_of")
+    return n
+
+
+def sampling_params(body: dict, default_max_tokens: int, chat: bool = False) -> SamplingParams:
     for name, unused in UNSUPPORTED.items():
         if body.get(name) not in unused:
-            raise bad(f"{name} is not supported by pdserve", name)
-    if _typed(body, "n", (int,), "an integer", 1) != 1:
-        raise bad("n: only n=1 is supported; send one request per completion", "n")
+            what = ("JSON output (response_format) is not implemented by pdserve; ask for JSON in the prompt or "
+                    "leave response_format out" if name == "response_format" else f"{name} is not supported by pdserve")
+            raise bad(what, name)
+    if chat and body.get("echo") not in (None, False):
+        raise bad("echo is only for /v1/completions", "echo")
+    logprobs = _logprobs(body, chat)
+    echo = not chat and _typed(body, "echo", (bool,), "a boolean", False)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _typed(body, name, (int,), "an integer", default_max_tokens)
     stop = _typed(body, "stop", (str, list), "a string or a list of strings", ())
@@ -165,7 +200,9 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
             seed=_typed(body, "seed", (int,), "an integer"),
             stop=stop,
             stop_token_ids=stop_token_ids,
-            ignore_eos=_typed(body, "ignore_eos", (bool,), "a boolean", False))
+            ignore_eos=_typed(body, "ignore_eos", (bool,), "a boolean", False),
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None)
     except (ValueError, TypeError) as e:  # SamplingParams names its own field first
         field = str(e).split(" ", 1)[0]
         param = name if field == "max_new_tokens" else field
@@ -230,6 +267,9 @@ class OpenAIFrontend:
         app = web.Application(middlewares=[self._errors, self._guard],
                               client_max_size=self.router.config.max_request_bytes)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
@@ -278,11 +318,40 @@ class OpenAIFrontend:
     def _model_name(self) -> str:
         return self.router.model_info().model_name
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_card(self) -> dict:
         info = self.router.model_info()
-        return web.json_response({"object": "list", "data": [{
-            "id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "max_model_len": info.max_context_length}]})
+        return {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "max_model_len": info.max_context_length}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id} (the openai client's models.retrieve)."""
+        card = self._model_card()
+        if request.match_info["model_id"] != card["id"]:
+            raise OpenAIError(404, f"The model `{request.match_info['model_id']}` does not exist; this server "
+                                   f"serves `{card['id']}`", "model", "model_not_found")
+        return web.json_response(card)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when this router can serve (not draining, a healthy prefill and decode worker), else 503 saying why:
+        what load balancers and vLLM/SGLang-style health checks expect."""
+        pool = self.router.pool
+        workers = {role: len(pool.of_role(role)) for role in ("prefill", "decode")}
+        if self.drain.draining:
+            raise OpenAIError(503, "this router is draining (shutting down)", code="unavailable")
+        if not all(workers.values()):
+            raise OpenAIError(503, f"no healthy workers: {workers['prefill']} prefill, {workers['decode']} decode",
+                              code="unavailable")
+        return web.json_response({"status": "ok", "workers": workers})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The router's Prometheus metrics, as on --metrics-port."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return web.Response(body=generate_latest(self.router.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -316,7 +385,11 @@ class OpenAIFrontend:
         else:
             raise bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
         params = sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await self._respond(request, "text_completion", "cmpl", ids, params, stream_options(body))
+        # echo: the prompt as sent (text), or the text of its ids
+        echo = (prompt if isinstance(prompt, str) else self.router.tokenizer.decode(ids) if self.router.tokenizer
+                else "") if body.get("echo") else None
+        return await self._respond(request, "text_completion", "cmpl", ids, params, stream_options(body),
+                                   num_choices(body), echo)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -327,38 +400,60 @@ class OpenAIFrontend:
         ids = await prompt_ids(self.router, self.chat_template.render(messages), "messages")
         # OpenAI's default: as many tokens as the context (and this router's --max-new-tokens-limit) allows.
         room = max(1, self.router.model_info().max_context_length - len(ids))
-        params = sampling_params(body, min(room, self.router.config.max_new_tokens_limit or room))
-        return await self._respond(request, "chat.completion", "chatcmpl", ids, params, stream_options(body))
+        params = sampling_params(body, min(room, self.router.config.max_new_tokens_limit or room), chat=True)
+        return await self._respond(request, "chat.completion", "chatcmpl", ids, params, stream_options(body),
+                                   num_choices(body))
 
     async def _respond(self, request, kind: str, id_prefix: str, ids: list[int], params: SamplingParams,
-                       opts: StreamOptions) -> web.StreamResponse:
+                       opts: StreamOptions, n: int = 1, echo: Optional[str] = None) -> web.StreamResponse:
+        """echo: the prompt's text, which starts each choice's text (completions' echo)."""
         rid = uuid.uuid4().hex
-        reply = Reply(kind, f"{id_prefix}-{rid}", self._model_name(), opts.return_token_ids)
-        # aclosing: whatever ends this handler (client gone, an error) closes the generation, which drops the
-        # request on both workers and frees its pages.
-        async with contextlib.aclosing(self.router.generate(ids, params, rid)) as stream:
+        reply = Reply(kind, f"{id_prefix}-{rid}", self._model_name(), opts.return_token_ids,
+                      TokenText(self.router.tokenizer), echo_ids=ids if echo is not None else None, echo_text=echo)
+        # n choices are n generations; with a seed, choice i uses seed + i: distinct and reproducible.
+        choices = [params if params.seed is None or i == 0 else
+                   dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(n)]
+        # Closing the merge (whatever ends this handler: the client gone, an error) closes every generation, which
+        # drops its request on both workers and frees its pages.
+        async with contextlib.aclosing(merged([self.router.generate(ids, p, rid if n == 1 else f"{rid}-{i}")
+                                               for i, p in enumerate(choices)])) as stream:
             if not opts.stream:
-                async for msg in stream:
+                done: dict[int, gen_pb.GenerateComplete] = {}
+                async for i, msg in stream:
                     if msg.HasField("complete"):
-                        return web.json_response(reply.whole(msg.complete))
-                raise ServiceError(grpc.StatusCode.INTERNAL, "the generation ended without completing")
+                        done[i] = msg.complete
+                if len(done) != n:
+                    raise ServiceError(grpc.StatusCode.INTERNAL, "the generation ended without completing")
+                return web.json_response(reply.whole([done[i] for i in range(n)]))
             # The first message is awaited before the headers go out, so failing to start (no workers, no KV
             # room) still gets its own HTTP status instead of an error inside a 200 stream.
-            msg = await anext(stream)
+            first = await anext(stream)
             resp = web.StreamResponse(headers=SSE_HEADERS)
             await resp.prepare(request)
-            if kind == "chat.completion":
-                await send(resp, reply.chunk(delta={"role": "assistant", "content": ""}))
+            for i in range(n):
+                if kind == "chat.completion":
+                    await send(resp, reply.chunk(i, delta={"role": "assistant", "content": ""}))
+            usage: dict[int, gen_pb.Usage] = {}
             try:
+                item = first
                 while True:
-                    if msg.HasField("chunk") and (msg.chunk.text or opts.return_token_ids):
-                        await send(resp, reply.chunk(text=msg.chunk.text, token_ids=list(msg.chunk.token_ids)))
+                    i, msg = item
+                    if msg.HasField("chunk"):
+                        c = msg.chunk
+                        if c.prompt_logprobs or (echo is not None and i not in reply.echoed):
+                            await send(resp, reply.echo_chunk(i, list(c.prompt_logprobs)))
+                        if c.text or c.logprobs or opts.return_token_ids:
+                            await send(resp, reply.chunk(i, text=c.text, token_ids=list(c.token_ids),
+                                                         logprobs=list(c.logprobs) if params.logprobs is not None
+                                                         else None))
                     if msg.HasField("complete"):
-                        await send(resp, reply.chunk(finish=msg.complete.finish_reason))
-                        if opts.include_usage:
-                            await send(resp, reply.usage_chunk(msg.complete.usage))
+                        await send(resp, reply.chunk(i, finish=msg.complete.finish_reason))
+                        usage[i] = msg.complete.usage
+                    item = await anext(stream, None)
+                    if item is None:
                         break
-                    msg = await anext(stream)
+                if opts.include_usage:
+                    await send(resp, reply.usage_chunk([usage[i] for i in sorted(usage)]))
             except ServiceError as e:  # the status is already sent: the error goes in the stream, as OpenAI's
                 err = from_service_error(e)
                 await send(resp, {"error": {"message": str(err), "type": ERROR_TYPE.get(err.status, "server_error"),
@@ -368,11 +463,61 @@ class OpenAIFrontend:
             return resp
 
 
+async def merged(streams: list) -> AsyncIterator[tuple[int, gen_pb.GenerateResponse]]:
+    """(choice index, message) from several generations as they arrive; the first failure ends it. Closing it
+    cancels the generations still running."""
+    if len(streams) == 1:  # no tasks: the generation runs in the caller's task, as before
+        async with contextlib.aclosing(streams[0]) as only:
+            async for msg in only:
+                yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for msg in stream:
+                    queue.put_nowait((i, msg, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, msg, error = await queue.get()
+            if error is not None:
+                raise error
+            if msg is None:
+                running -= 1
+            else:
+                yield i, msg
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def send(resp: web.StreamResponse, obj: dict) -> None:
     await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
 
-@dataclass(frozen=True)
+class TokenText:
+    """A token id's text for logprobs (OpenAI reports tokens as strings): the tokenizer's piece, or
+    `token_id:N` without a tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int, offsets: bool = False) -> str:
+        """offsets: the token's share of the text (special tokens such as BOS have none)."""
+        if self.tokenizer is None:
+            return "" if offsets else f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=offsets)
+
+
+@dataclass
 class Reply:
     """Builds the response objects of one request in OpenAI's shapes (completion or chat, whole or chunks)."""
 
@@ -380,7 +525,12 @@ class Reply:
     id: str
     model: str
     with_token_ids: bool
+    token_text: TokenText
+    echo_ids: Optional[list[int]] = None  # completions with echo: the prompt, whose text starts each choice
+    echo_text: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
+    echoed: set = field(default_factory=set)  # choices whose echo chunk went out (streaming)
+    offsets: dict = field(default_factory=dict)  # choice -> text offset of its next token (completions logprobs)
 
     @property
     def chat(self) -> bool:
@@ -390,40 +540,100 @@ class Reply:
         kind = "chat.completion.chunk" if chunk and self.chat else self.kind
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, c: gen_pb.GenerateComplete) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
-        if self.with_token_ids:
-            choice["token_ids"] = list(c.output_ids)
-        return {**self._envelope([choice], chunk=False), "usage": usage(c.usage)}
+    def _prompt_text(self) -> str:
+        return self.echo_text or ""
 
-    def chunk(self, text: str = "", token_ids: Optional[list[int]] = None, finish: Optional[int] = None,
-              delta: Optional[dict] = None) -> dict:
-        choice: dict = {"index": 0, "logprobs": None,
+    def whole(self, completes: list[gen_pb.GenerateComplete]) -> dict:
+        choices = []
+        for i, c in enumerate(completes):
+            choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+                if c.logprobs:
+                    choice["logprobs"] = {"content": self._chat_logprobs(c.logprobs)}
+            else:
+                choice["text"] = c.text
+                entries = list(c.logprobs)
+                if self.echo_ids is not None:
+                    choice["text"] = self._prompt_text() + c.text
+                    if c.logprobs or c.prompt_logprobs:
+                        entries = self._prompt_entries(list(c.prompt_logprobs)) + entries
+                if c.logprobs or (self.echo_ids is not None and c.prompt_logprobs):
+                    choice["logprobs"] = self._completion_logprobs(i, entries)
+            if self.with_token_ids:
+                choice["token_ids"] = list(c.output_ids)
+            choices.append(choice)
+        return {**self._envelope(choices, chunk=False), "usage": usage([c.usage for c in completes])}
+
+    def echo_chunk(self, index: int, prompt_logprobs: list) -> dict:
+        """Streaming with echo: the prompt's text (and logprobs) before the choice's first tokens."""
+        self.echoed.add(index)
+        choice = {"index": index, "text": self._prompt_text(), "logprobs": None, "finish_reason": None}
+        if prompt_logprobs:
+            choice["logprobs"] = self._completion_logprobs(index, self._prompt_entries(prompt_logprobs))
+        return self._envelope([choice], chunk=True)
+
+    def chunk(self, index: int, text: str = "", token_ids: Optional[list[int]] = None, finish: Optional[int] = None,
+              delta: Optional[dict] = None, logprobs: Optional[list] = None) -> dict:
+        choice: dict = {"index": index, "logprobs": None,
                         "finish_reason": None if finish is None else finish_reason(finish)}
         if self.chat:
             choice["delta"] = delta if delta is not None else ({"content": text} if finish is None else {})
+            if logprobs:
+                choice["logprobs"] = {"content": self._chat_logprobs(logprobs)}
         else:
             choice["text"] = text
+            if logprobs:
+                choice["logprobs"] = self._completion_logprobs(index, logprobs)
         if self.with_token_ids and finish is None and delta is None:
             choice["token_ids"] = token_ids or []
         return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self, u: gen_pb.Usage) -> dict:
+    def usage_chunk(self, u: list[gen_pb.Usage]) -> dict:
         return {**self._envelope([], chunk=True), "usage": usage(u)}
+
+    # ---- logprobs in OpenAI's two shapes --------------------------------------------------------------------------
+    def _prompt_entries(self, prompt_logprobs: list) -> list:
+        """The prompt's entries: None for the first token (nothing predicts it), then one per later token."""
+        ids = self.echo_ids or []
+        return [(ids[0], None)] + list(prompt_logprobs) if ids else []
+
+    def _completion_logprobs(self, index: int, entries: list) -> dict:
+        """/v1/completions: parallel lists tokens, token_logprobs, top_logprobs (token text -> logprob),
+        text_offset. An entry is a TokenLogprobs, or (token id, None) for a token without one."""
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.offsets.get(index, 0)
+        for e in entries:
+            token_id, lp = e if isinstance(e, tuple) else (e.token_id, e)
+            text = self.token_text(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append(None if lp is None else {self.token_text(t.token_id): t.logprob
+                                                                for t in lp.top})
+            out["text_offset"].append(offset)
+            offset += len(self.token_text(token_id, offsets=True))
+        self.offsets[index] = offset
+        return out
+
+    def _chat_logprobs(self, entries: list) -> list[dict]:
+        """/v1/chat/completions: logprobs.content, one object per token with its top_logprobs."""
+        def item(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t.token_id, t.logprob) for t in e.top]}
+                for e in entries]
 
 
 def finish_reason(value: int) -> str:
     return "length" if value == gen_pb.FINISH_REASON_LENGTH else "stop"  # OpenAI has no other reason for us
 
 
-def usage(u: gen_pb.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+def usage(per_choice: list[gen_pb.Usage]) -> dict:
+    """One prompt, the completion tokens of every choice."""
+    prompt, cached = per_choice[0].prompt_tokens, per_choice[0].cached_tokens
+    completion = sum(u.completion_tokens for u in per_choice)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _tls(security: SecurityConfig) -> Optional[ssl.SSLContext]:

@@ -131,8 +131,13 @@ def test_sampling_parameters_reach_the_workers(stack, client, model):
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ("completions", {"prompt": "hi", "n": 2}, "n"),
-    ("completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "n": 17}, "n"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "hi", "extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("completions", {"prompt": [1, 10_000_000]}, "prompt"),
     ("completions", {"prompt": ["one", "two"]}, "prompt"),
     ("completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
@@ -289,8 +294,8 @@ def test_up_serves_openai_http(tiny_v3_dir, tmp_path):
     port, http_port = free_port(), free_port()
     log = tmp_path / "up.log"
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_v3_dir), "--port", str(port),
-                           "--http-port", str(http_port), "--page-size", "4"], cwd=REPO, stdout=open(log, "w"),
-                          stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                           "--http-port", str(http_port), "--page-size", "4", "--metrics-port", "0"], cwd=REPO,
+                          stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_serving(Proc("router", f"127.0.0.1:{port}", up, 0, log), timeout_s=90)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0, timeout=30)
