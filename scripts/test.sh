@@ -7,6 +7,7 @@
 # cycles the main suite leaves idle, so its timing-sensitive tests see next to no extra load. Its report follows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+python3 -c "import pytest, openai, transformers, pdserve.cli" 2>/dev/null || scripts/setup.sh  # the test extras
 interp=(tests/test_triton_attention_interpret.py tests/test_triton_moe_gemm_interpret.py tests/test_triton_norm_rope_interpret.py)
 ignore=()
 for f in "${interp[@]}"; do ignore+=(--ignore="$f"); done

@@ -187,8 +187,8 @@ def test_cold_start_serves_requests_sent_the_moment_it_is_up(trained_model_dir, 
     log = tmp_path / "up.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD": "3"}
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(trained_model_dir), "--port",
-                           str(port), "--device", "cpu"], cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                          env=env)
+                           str(port), "--device", "cpu", "--http-port", "0", "--metrics-port", "0"], cwd=REPO,
+                          stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 120
         while "pdserve is up" not in log.read_text():

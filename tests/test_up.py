@@ -39,7 +39,8 @@ def test_up_serves_and_stops_cleanly(tiny_v3_dir, tmp_path):
     port = free_port()
     log = tmp_path / "up.log"
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(model), "--port", str(port),
-                           "--page-size", "4", "--prefill", "1", "--decode", "2"], cwd=REPO,
+                           "--page-size", "4", "--prefill", "1", "--decode", "2", "--http-port", "0",
+                           "--metrics-port", "0"], cwd=REPO,
                           stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_serving(Proc("router", f"127.0.0.1:{port}", up, 0, log), timeout_s=90)

@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run router + prefill + decode workers locally until interrupted",
                         description="Start a router with N prefill and M decode worker processes on this machine "
-                                    "(CPU unless a GPU is there) and stay up until Ctrl-C.")
+                                    "(CPU unless a GPU is there) and stay up until Ctrl-C. By default: gRPC on "
+                                    "127.0.0.1:50051, the OpenAI HTTP API on :8000, router metrics on :9100 and "
+                                    "worker metrics on :9101 and up; every port is checked before any worker "
+                                    "starts, and the endpoints are listed once the stack is up.")
     add_engine_args(up)
     ug = up.add_argument_group("stack")
     ug.add_argument("--host", default="127.0.0.1")
@@ -62,9 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
     ug.add_argument("--redis-url", default=None, help="Redis for discovery and prefix ownership (optional)")
     ug.add_argument("--balance-threshold", type=int, default=4)
-    ug.add_argument("--metrics-port", type=int, default=None, help="router /metrics port (workers pick free ones)")
-    ug.add_argument("--http-port", type=int, default=None,
-                    help="router's OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions; default off)")
+    ug.add_argument("--metrics-port", type=int, default=9100, metavar="PORT",
+                    help="router's Prometheus /metrics port (default 9100); worker k (prefill workers first) serves "
+                         "its own on PORT+1+k (9101, 9102, ...); 0 = free ports for all, listed at start-up")
+    ug.add_argument("--no-metrics", action="store_true", help="serve no /metrics endpoints")
+    ug.add_argument("--http-port", type=int, default=8000, metavar="PORT",
+                    help="router's OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                         "/health, /metrics; default 8000)")
+    ug.add_argument("--no-http", action="store_true", help="serve no OpenAI HTTP API (gRPC only)")
     ug.add_argument("--transfer-timeout", type=float, default=300.0)
     ug.add_argument("--kv-transport", default="auto", choices=LazyChoices(serve.kv_transport_names),
                     help=serve.KV_TRANSPORT_HELP + "; with nccl, worker k runs on cuda:k. With --device cuda and "
@@ -115,8 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             TimeoutError) as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # servers stop on Ctrl-C as asked; a one-off command was interrupted
+        return 0 if args.command in ("up", "router", "prefill", "decode") else 130
 
 
 if __name__ == "__main__":

@@ -8,9 +8,14 @@ that run no model (router, bench, healthcheck) start without loading torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pdserve.cli.choices import LazyChoices
+
+# pdserve/cli/engine_args.py -> the checkout root, where the demo model models/tiny-trained is committed
+CHECKOUT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_MODEL_DIR = os.path.join(CHECKOUT_DIR, "models", "tiny-trained")
 
 
 def attention_backend_names() -> list[str]:
@@ -35,6 +40,23 @@ class UsageError(Exception):
     pass
 
 
+def resolve_model_dir(path, flag: str = "--model") -> str:
+    """The model directory a command runs: `path` as given (relative to the current directory), else relative to the
+    pdserve checkout (so `--model models/tiny-trained` works from anywhere), else the demo model when none is given.
+    UsageError naming the flag when there is no model there."""
+    if path is None:
+        path = DEFAULT_MODEL_DIR
+    candidates = [path] + ([os.path.join(CHECKOUT_DIR, path)] if not os.path.isabs(path) else [])
+    for candidate in candidates:
+        if os.path.isdir(candidate):
+            if not os.path.isfile(os.path.join(candidate, "config.json")):
+                raise UsageError(f"{flag} {path}: {os.path.abspath(candidate)} has no config.json; give a Hugging "
+                                 "Face model directory (config.json + safetensors)")
+            return os.path.abspath(candidate)
+    where = " or ".join(os.path.abspath(c) for c in candidates)
+    raise UsageError(f"{flag} {path}: the directory does not exist ({where})")
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
@@ -45,7 +67,9 @@ def _token_ids(text: str) -> list[int]:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that runs the model (generate, and later the prefill/decode workers)."""
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + safetensors)")
+    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + safetensors); a "
+                   "relative path not found here is looked up in the pdserve checkout (default: the demo model, "
+                   "models/tiny-trained)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation/weight dtype; auto = the checkpoint's (FP8 weights stay FP8)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
@@ -88,8 +112,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
     from pdserve.scheduler import SchedulerConfig
     from pdserve.spec_decode import SpeculativeConfig
 
-    if not args.model:
-        raise UsageError("--model DIR is required")
+    args.model = resolve_model_dir(args.model)
     device = args.device
     if device == "auto":
         import torch

@@ -17,11 +17,10 @@ from typing import Optional
 from pdserve.cli.choices import LazyChoices
 
 log = logging.getLogger("pdserve")
-# The committed demo model (scripts/train_tiny.py: 4M parameters trained on Python's standard library, with an MTP
-# layer that NextN speculation accepts); the random tiny model is made only if a checkout lacks it.
-# pdserve/cli/serve.py -> the checkout root, where models/tiny-trained is committed
-DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models",
-                                 "tiny-trained")
+# The committed demo model (scripts/train_tiny.py: trained on Python's standard library, with an MTP layer that
+# NextN speculation accepts); the random tiny model is made only if a checkout lacks it.
+from pdserve.cli.engine_args import DEFAULT_MODEL_DIR  # noqa: E402
+
 FALLBACK_MODEL_DIR = os.path.join("models", "tiny-deepseek-v3")
 
 
@@ -119,7 +118,11 @@ def _serve_metrics(metrics, port: Optional[int], host: str) -> Optional[int]:
         return None
     from pdserve.serving.metrics import serve_metrics
 
-    return serve_metrics(metrics, port, host)
+    try:
+        return serve_metrics(metrics, port, host)
+    except OSError as e:
+        raise OSError(f"--metrics-port: cannot listen on {host}:{port}: {e.strerror or e}; pick another port with "
+                      "--metrics-port") from None
 
 
 def _register(args, worker, role: str, metrics_port: Optional[int]):
@@ -284,6 +287,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 async def run_router(args: argparse.Namespace, on_ready=None) -> None:
+    from pdserve.serving.grpc_shell import stop_on_signals
+
+    stop = stop_on_signals()  # first: a Ctrl-C while starting drains like one later
     from pdserve.serving.grpc_shell import serve_until_signal
     from pdserve.serving.metrics import Metrics
     from pdserve.cluster.ownership import OWNERSHIP_STORES
@@ -346,15 +352,15 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
          f"{len(pool.of_role('prefill'))} prefill and {len(pool.of_role('decode'))} decode workers"
          + (f", OpenAI HTTP on :{http_port}" if http else "") + (f", metrics on :{mport}" if mport else ""))
     if on_ready:
-        on_ready(port)
+        on_ready({"grpc": port, "http": http_port if http else None, "metrics": mport})
 
-    async def stop() -> None:
+    async def stop_fronts() -> None:
         if http is not None:
             await http.cleanup()
         await pool.close()
         ownership.close()
 
-    await serve_until_signal(server, getattr(args, "drain_timeout", 30.0), stop)
+    await serve_until_signal(server, getattr(args, "drain_timeout", 30.0), stop_fronts, stop=stop)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -469,62 +475,164 @@ def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
     return [f"cuda:{k}" for k in range(need)]
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    if args.prefill < 1 or args.decode < 1:
-        from pdserve.cli.engine_args import UsageError
+def _die_with_parent() -> None:
+    """In a worker `up` starts, before it execs: Linux sends it SIGTERM when `up` dies, however it dies (SIGKILL
+    included), so no worker outlives its stack holding ports and memory (Linux only: prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
 
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def _port_taken(host: str, port: int) -> Optional[str]:
+    """Why `port` cannot be listened on at `host` (None when it can): a bind without SO_REUSEPORT, as our servers
+    now bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to listen on
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def up_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Every fixed port `up` will listen on, by the flag that chose it ("--port", "--http-port", "--metrics-port",
+    "--metrics-port+1" for worker 0, ...); 0 (a free one) is left out."""
+    ports = {"--port": args.port}
+    if not args.no_http:
+        ports["--http-port"] = args.http_port
+    if not args.no_metrics:
+        ports["--metrics-port"] = args.metrics_port
+        if args.metrics_port:
+            for k in range(args.prefill + args.decode):
+                ports[f"--metrics-port+{k + 1}"] = args.metrics_port + 1 + k
+    return {flag: port for flag, port in ports.items() if port}
+
+
+def check_up_ports(args: argparse.Namespace) -> None:
+    """Before any worker starts: each port valid, distinct and free, else a UsageError naming the flag."""
+    from pdserve.cli.engine_args import UsageError
+
+    seen: dict[int, str] = {}
+    for flag, port in up_ports(args).items():
+        if not 0 < port < 65536:
+            raise UsageError(f"{flag}: {port} is not a port number (1-65535, or 0 for a free one)")
+        if port in seen:
+            raise UsageError(f"{seen[port]} and {flag} are both {port}: give each its own port")
+        seen[port] = flag
+        why = _port_taken(args.host, port)
+        if why:
+            worker = " (worker metrics: --metrics-port + 1 + worker index)" if "+" in flag else ""
+            raise UsageError(f"{flag.split('+')[0]}: cannot listen on {args.host}:{port}{worker}: {why} (another "
+                             f"pdserve up, or another program, holds it); pick another with {flag.split('+')[0]}")
+
+
+def _endpoints_table(args: argparse.Namespace, ports: dict, workers: list[tuple[str, str, Optional[int]]]) -> str:
+    host = args.host
+    rows = [("router gRPC (pdserve.v1.Generation, health, reflection)", f"{host}:{ports['grpc']}")]
+    if ports.get("http"):
+        rows.append(("OpenAI HTTP API", f"http://{host}:{ports['http']}/v1"))
+    if ports.get("metrics"):
+        rows.append(("router metrics", f"http://{host}:{ports['metrics']}/metrics"))
+    for name, address, mport in workers:
+        rows.append((f"{name} gRPC", address))
+        if mport:
+            rows.append((f"{name} metrics", f"http://127.0.0.1:{mport}/metrics"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {what:<{width}}  {where}" for what, where in rows)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.cli.engine_args import UsageError, resolve_model_dir
+
+    if args.prefill < 1 or args.decode < 1:
         raise UsageError("--prefill and --decode must each be at least 1")
-    if args.model is None:
-        args.model = DEFAULT_MODEL_DIR
+    if args.model is None and not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
+        args.model = FALLBACK_MODEL_DIR
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             from pdserve.tiny_model import make_tiny_model
 
-            args.model = FALLBACK_MODEL_DIR
-            if not os.path.isfile(os.path.join(args.model, "config.json")):
-                _say(f"no --model given and no trained demo model: making a random tiny model in {args.model}")
-                make_tiny_model(args.model)
+            _say(f"no --model given and no trained demo model: making a random tiny model in {args.model}")
+            make_tiny_model(args.model)
+    args.model = resolve_model_dir(args.model)  # before any worker starts, as are the ports
+    check_up_ports(args)
     up_start = time.monotonic()
     gpus = _gpu_per_worker(args)
     procs: list[tuple[str, subprocess.Popen]] = []
+    worker_metrics: dict[str, Optional[int]] = {}
     common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout), "--kv-transport",
                                    args.kv_transport]
     if args.redis_url:
         common += ["--redis-url", args.redis_url]
     try:
+        k = 0
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
                 port = _free_port()
                 cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
                        f"{role}-{i}", *common] + (["--device", gpus.pop(0)] if gpus else [])
-                if args.metrics_port:
-                    cmd += ["--metrics-port", "0"]
-                procs.append((f"{role}:127.0.0.1:{port}", subprocess.Popen(cmd)))
+                name = f"{role}:127.0.0.1:{port}"
+                if not args.no_metrics:
+                    mport = args.metrics_port + 1 + k if args.metrics_port else 0
+                    cmd += ["--metrics-port", str(mport)]
+                    worker_metrics[name] = mport or None
+                k += 1
+                # Own session: a Ctrl-C in the terminal reaches `up` alone, which then stops the workers in order.
+                procs.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent, start_new_session=True)))
         _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ({args.device}); "
-             "each reports ready after loading the model and its warm-up ...")
-        _wait_workers(procs, args.start_timeout)
+             "each loads the model, then runs its warm-up, then reports ready ...")
+        _wait_workers(procs, args.start_timeout, note_every_s=5.0)
         workers_ready = time.monotonic() - up_start
         router_args = argparse.Namespace(
             host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
-            balance_threshold=args.balance_threshold, metrics_port=args.metrics_port, http_port=args.http_port,
+            balance_threshold=args.balance_threshold, metrics_port=None if args.no_metrics else args.metrics_port,
+            http_port=None if args.no_http else args.http_port,
             prefill=[n.split(":", 1)[1] for n, _ in procs if n.startswith("prefill")],
             decode=[n.split(":", 1)[1] for n, _ in procs if n.startswith("decode")])
 
-        def ready(port: int) -> None:
-            _say(f"pdserve is up after {time.monotonic() - up_start:.1f} s (workers ready in {workers_ready:.1f} s). "
-                 f"Try:  pdserve generate --target {args.host}:{port} --prompt 'Hello' "
-                 "--max-new-tokens 16   (Ctrl-C stops everything)")
+        def n_of_role(name: str) -> int:
+            role = name.split(":")[0]
+            return [n for n, _ in procs if n.startswith(role + ":")].index(name)
+
+        def ready(ports: dict) -> None:
+            workers = [(f"{n.split(':')[0]} worker {n_of_role(n)}", n.split(":", 1)[1], worker_metrics.get(n))
+                       for n, _ in procs]
+            if any(m == 0 for m in worker_metrics.values()):
+                workers = [(w, a, None) for w, a, _ in workers]  # free ports: their own lines above name them
+            try_http = (f"\n  or OpenAI: curl http://{args.host}:{ports['http']}/v1/completions -H 'Content-Type: "
+                        f"application/json' -d '{{\"model\": \"{os.path.basename(args.model)}\", \"prompt\": "
+                        f"\"Hello\", \"max_tokens\": 16}}'" if ports.get("http") else "")
+            _say(f"pdserve is up after {time.monotonic() - up_start:.1f} s (workers ready in {workers_ready:.1f} s):\n"
+                 + _endpoints_table(args, ports, workers)
+                 + f"\nTry:  pdserve generate --target {args.host}:{ports['grpc']} --prompt 'Hello' "
+                 "--max-new-tokens 16" + try_http + "\n(Ctrl-C stops everything)")
 
         asyncio.run(run_router(router_args, on_ready=ready))
+    except KeyboardInterrupt:  # Ctrl-C before the router took over the signals: a normal stop
+        pass
     finally:
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for _, proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop_workers(procs)
     return 0
+
+
+def _stop_workers(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    """SIGTERM (each drains), then SIGKILL after 10 s; a second Ctrl-C meanwhile does not leave them behind."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for _, proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for _, proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # ---- pdserve generate --target: the gRPC client -----------------------------------------------------------------

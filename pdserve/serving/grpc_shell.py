@@ -1,4 +1,5 @@
-"""The standard gRPC shell every pdserve server uses: grpc.aio, grpc.health.v1, server reflection, graceful drain on
+"""The standard gRPC shell every pdserve server uses: grpc.aio, grpc.health.v1, server reflection (v1 and v1alpha),
+no SO_REUSEPORT (a taken port is an error, never a shared one), graceful drain on
 SIGTERM/SIGINT, and the mapping from pdserve's errors to status codes."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Awaitable, Callable, Iterable, Optional, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha_pb2
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -199,6 +201,56 @@ def _oneof_set_twice(descriptor, raw: bytes) -> Optional[str]:
     return None
 
 
+class PortInUse(OSError):
+    """A server could not bind its port; `flag` (set by the CLI) names the option that chose it."""
+
+    def __init__(self, host: str, port: int, flag: str = "--port"):
+        super().__init__(f"{flag}: cannot listen on {host}:{port}: the address is in use (another pdserve, or "
+                         f"another program, holds it); pick another port with {flag}")
+        self.host, self.port, self.flag = host, port, flag
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _reflection_v1_descriptor() -> None:
+    """grpc.reflection.v1 is v1alpha under a new package, message for message (grpcio-reflection ships only
+    v1alpha): its file is added to the default pool so that reflection can describe the v1 service too."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1)
+        return
+    except KeyError:
+        pass
+    old, new = ".grpc.reflection.v1alpha.", ".grpc.reflection.v1."
+    fdp = descriptor_pb2.FileDescriptorProto()
+    reflection_v1alpha_pb2.DESCRIPTOR.CopyToProto(fdp)
+    fdp.name, fdp.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+    for msg in fdp.message_type:
+        for f in msg.field:
+            if f.type_name:  # NOTE: assigning "" would mark it set, which the pool refuses for scalar fields
+                f.type_name = f.type_name.replace(old, new)
+    for service in fdp.service:
+        for m in service.method:
+            m.input_type, m.output_type = m.input_type.replace(old, new), m.output_type.replace(old, new)
+    pool.Add(fdp)
+
+
+def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    """Server reflection in both versions clients speak: v1 (grpcurl, Postman, newer grpc libraries) and v1alpha
+    (older ones), one servicer behind both: their messages are the same on the wire."""
+    _reflection_v1_descriptor()
+    servicer = reflection.aio.ReflectionServicer(service_names + [reflection.SERVICE_NAME, REFLECTION_V1])
+    reflection._reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_v1alpha_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_v1alpha_pb2.ServerReflectionResponse.SerializeToString)}),))
+
+
 def create_server(host: str, port: int, service_names: Iterable[str],
                   add_servicers: Callable[[grpc.aio.Server], None], *, options: Optional[Sequence[tuple]] = None,
                   interceptors: Sequence[grpc.aio.ServerInterceptor] = (), drain: Optional[Drain] = None,
@@ -207,18 +259,23 @@ def create_server(host: str, port: int, service_names: Iterable[str],
     bound port); port 0 picks a free one. `interceptors` run first (authentication), then `drain`; with
     `credentials` the port speaks TLS."""
     drain = drain or Drain()
+    # NOTE: so_reuseport off: gRPC's default lets a second server bind the same port, and the kernel then splits new
+    # connections between the two (two stacks' answers silently mixed); off, the second bind fails (PortInUse).
+    opts = [o for o in (options or CHANNEL_OPTIONS) if o[0] != "grpc.so_reuseport"] + [("grpc.so_reuseport", 0)]
     # MessageGuard last (innermost): the handlers of the others pass the raw bytes through to it.
-    server = grpc.aio.server(options=list(options or CHANNEL_OPTIONS),
-                             interceptors=[*interceptors, drain, MessageGuard()])
+    server = grpc.aio.server(options=opts, interceptors=[*interceptors, drain, MessageGuard()])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    add_reflection(server, names + [health.SERVICE_NAME])
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpcio >= 1.60 raises where older ones returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} (in use?)")
+        raise PortInUse(host, port)
     server._pdserve_health = health_servicer  # type: ignore[attr-defined]
     server._pdserve_services = names  # type: ignore[attr-defined]
     server._pdserve_drain = drain  # type: ignore[attr-defined]
@@ -235,17 +292,29 @@ async def start_serving(server: grpc.aio.Server) -> None:
 DRAIN_NOTICE_S = 1.0  # on SIGTERM, the port keeps answering NOT_SERVING at least this long (capped by grace_s)
 
 
-async def serve_until_signal(server: grpc.aio.Server, grace_s: float,
-                             on_stop: Optional[Callable[[], Awaitable[None]]] = None,
-                             notice_s: float = DRAIN_NOTICE_S) -> None:
-    """Run until SIGTERM/SIGINT, then drain: health reports NOT_SERVING, new work is refused with UNAVAILABLE,
-    work in flight gets up to grace_s to finish; then the server stops (cancelling what is left) and on_stop runs.
-    NOTE: the port stays open answering NOT_SERVING for min(notice_s, grace_s) even when nothing is in flight, so
-    that health checkers and routers polling it see the drain instead of a closed port."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM, SIGINT (Ctrl-C) or SIGHUP (the terminal closed) on the running loop. Installed first
+    thing by a server, so a signal during its start-up also ends in the drain (not a KeyboardInterrupt raised in the
+    middle of starting servers)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def serve_until_signal(server: grpc.aio.Server, grace_s: float,
+                             on_stop: Optional[Callable[[], Awaitable[None]]] = None,
+                             notice_s: float = DRAIN_NOTICE_S, stop: Optional[asyncio.Event] = None) -> None:
+    """Run until SIGTERM/SIGINT/SIGHUP (or `stop`, from stop_on_signals, is set), then drain: health reports
+    NOT_SERVING, new work is refused with UNAVAILABLE, work in flight gets up to grace_s to finish; then the server
+    stops (cancelling what is left) and on_stop runs.
+    NOTE: the port stays open answering NOT_SERVING for min(notice_s, grace_s) even when nothing is in flight, so
+    that health checkers and routers polling it see the drain instead of a closed port."""
+    stop = stop or stop_on_signals()
     waiter = asyncio.create_task(server.wait_for_termination())
     await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     await server._pdserve_health.enter_graceful_shutdown()  # type: ignore[attr-defined]

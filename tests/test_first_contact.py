@@ -1,0 +1,396 @@
+"""What a new user and their tools meet first (issue 22), with real processes on real ports: `pdserve up`'s defaults
+(OpenAI HTTP and metrics on, one endpoints table), ports checked before any worker starts and never shared, workers
+that die with `up` however it dies, a Ctrl-C that exits 0, and the OpenAI surface evaluation harnesses and best-of
+clients use (logprobs, echo with prompt logprobs, n with seeds, models.retrieve, /health, /metrics), whose logprobs
+equal the single-process engine's."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_cache import CacheConfig
+from pdserve.sampling import SamplingParams
+from pdserve.serving.rpc_convert import sampling_to_proto
+from pdserve.v1 import generate_pb2 as gen_pb
+from pdserve.v1 import generate_pb2_grpc as gen_grpc
+
+from stack import REPO, free_port
+
+pytestmark = pytest.mark.slow
+PROMPT_IDS = [0, 5, 6, 7, 8, 9, 10, 11, 12]
+TOL = 1e-4
+
+
+class Up:
+    """A `pdserve up` process and its ports."""
+
+    def __init__(self, tmp: Path, *flags: str, ports: bool = True, cwd=REPO, name: str = "up"):
+        self.port, self.http_port, self.metrics_port = free_port(), free_port(), None
+        if ports:  # worker metrics take metrics_port + 1 + k: a base with free ports above it
+            self.metrics_port = free_port_run(3)
+        self.log = tmp / f"{name}.log"
+        port_flags = ["--port", str(self.port), "--http-port", str(self.http_port), "--metrics-port",
+                      str(self.metrics_port)] if ports else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *port_flags, *flags], cwd=cwd,
+                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_up(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "pdserve is up" not in self.text():
+            assert self.proc.poll() is None, self.text()[-3000:]
+            assert time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(0.1)
+
+    def workers(self) -> list[int]:
+        return children(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free now."""
+    import socket
+
+    for _ in range(200):
+        base = free_port()
+        ok = True
+        for p in range(base + 1, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise AssertionError("no run of free ports")
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def metric(port: int, name: str, **labels) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    u = Up(tmp_path_factory.mktemp("first-contact"), "--dtype", "float32", "--page-size", "4")
+    u.wait_up()
+    yield u
+    u.stop()
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{up.http_port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine(trained_model_dir):
+    """The single-process engine on the same checkpoint, fp32, as the stack runs it."""
+    return LLMEngine(EngineConfig(str(trained_model_dir), dtype="float32", cache=CacheConfig(page_size=4,
+                                                                                              num_pages=512)))
+
+
+# ---- ports, defaults, endpoints ---------------------------------------------------------------------------------
+def test_up_lists_every_endpoint_and_serves_metrics_by_default(up):
+    text = up.text()
+    for line in (f"127.0.0.1:{up.port}", f"http://127.0.0.1:{up.http_port}/v1",
+                 f"http://127.0.0.1:{up.metrics_port}/metrics", f"http://127.0.0.1:{up.metrics_port + 1}/metrics",
+                 f"http://127.0.0.1:{up.metrics_port + 2}/metrics"):
+        assert line in text, text[-2000:]
+    # predictable worker ports: prefill 0 at +1, decode 0 at +2
+    assert metric(up.metrics_port + 1, "pdserve_num_running_reqs", role="prefill") == 0
+    assert metric(up.metrics_port + 2, "pdserve_num_running_reqs", role="decode") == 0
+
+
+def test_a_second_up_on_a_taken_port_exits_2_naming_it_and_the_first_keeps_serving(up, client, tmp_path):
+    cases = [(["--port", str(up.port)], f"--port: cannot listen on 127.0.0.1:{up.port}"),
+             (["--port", str(free_port()), "--http-port", str(up.http_port)], f"--http-port: cannot listen on "
+                                                                              f"127.0.0.1:{up.http_port}"),
+             (["--port", str(free_port()), "--http-port", str(free_port()), "--metrics-port",
+               str(up.metrics_port - 1)], "--metrics-port: cannot listen on"),  # its first worker's port is taken
+             (["--port", "7777", "--http-port", "7777"], "--port and --http-port are both 7777"),
+             (["--model", "/nonexistent", "--port", str(free_port())], "--model /nonexistent: the directory does "
+                                                                       "not exist")]
+    for flags, message in cases:
+        start = time.monotonic()
+        second = subprocess.run([sys.executable, "-m", "pdserve", "up", "--http-port", str(free_port()),
+                                 "--metrics-port", "0", *flags], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, (flags, second.stderr)
+        assert message in second.stderr and "Traceback" not in second.stderr, second.stderr
+        assert "starting" not in second.stderr, "checked before any worker starts"
+        assert time.monotonic() - start < 15
+    # The first stack still answers, every connection on it (no port shared with a second server).
+    for _ in range(5):
+        with grpc.insecure_channel(f"127.0.0.1:{up.port}") as ch:
+            info = gen_grpc.GenerationStub(ch).GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=10)
+        assert info.model_name == "tiny-trained"
+
+
+def test_readme_openai_snippet_and_endpoints(up, client):
+    """models.retrieve, /health and /metrics on the HTTP port; response_format refused, not ignored."""
+    model = client.models.list().data[0].id
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{up.http_port}/health", timeout=5).read())
+    assert health["status"] == "ok"
+    assert metric(up.http_port, "pdserve_requests_total", role="router") >= 0  # the router's registry, scraped
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       response_format={"type": "json_object"})
+    assert info.value.body["param"] == "response_format"
+
+
+def test_http_requests_are_counted_finished(up, client):
+    def counts():
+        return {o: metric(up.metrics_port, "pdserve_requests_total", role="router", outcome=o)
+                for o in ("finished", "aborted")}
+
+    before = counts()
+    client.completions.create(model="tiny-trained", prompt="def f(", max_tokens=4)
+    list(client.chat.completions.create(model="tiny-trained", messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=4, stream=True))
+    after = counts()
+    assert after["finished"] - before["finished"] == 2 and after["aborted"] == before["aborted"], (before, after)
+
+
+def test_a_disconnect_returns_the_decode_gauges_to_idle_within_a_second(up):
+    decode_metrics = up.metrics_port + 2
+    conn = http.client.HTTPConnection("127.0.0.1", up.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": "tiny-trained", "prompt": "import os", "max_tokens": 2000, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    for _ in range(5):
+        resp.readline()
+    assert metric(decode_metrics, "pdserve_num_running_reqs", role="decode") == 1
+    assert metric(decode_metrics, "pdserve_kv_pool_usage_ratio", role="decode") > 0
+    resp.close()
+    conn.close()
+    gone = time.monotonic()
+    while (metric(decode_metrics, "pdserve_num_running_reqs", role="decode") != 0
+           or metric(decode_metrics, "pdserve_kv_pool_usage_ratio", role="decode") != 0):
+        assert time.monotonic() - gone < 1.0, "gauges still show the disconnected request after 1 s"
+        time.sleep(0.05)
+
+
+def test_grpc_reflection_v1_and_v1alpha(up):
+    from grpc_reflection.v1alpha import reflection_pb2 as r
+
+    with grpc.insecure_channel(f"127.0.0.1:{up.port}") as ch:
+        for version in ("v1", "v1alpha"):
+            call = ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                    request_serializer=r.ServerReflectionRequest.SerializeToString,
+                                    response_deserializer=r.ServerReflectionResponse.FromString)
+            answers = list(call(iter([r.ServerReflectionRequest(list_services=""),
+                                      r.ServerReflectionRequest(file_containing_symbol="pdserve.v1.Generation")]),
+                                timeout=10))
+            assert "pdserve.v1.Generation" in {s.name for s in answers[0].list_services_response.service}, version
+            assert answers[1].WhichOneof("message_response") == "file_descriptor_response", version
+
+
+# ---- logprobs, echo, n ------------------------------------------------------------------------------------------
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= TOL
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.7, 3)])
+def test_completion_logprobs_equal_the_engines(up, client, engine, temperature, seed):
+    want = engine.generate([PROMPT_IDS], SamplingParams(max_new_tokens=6, temperature=temperature, seed=seed,
+                                                        ignore_eos=True, logprobs=5))[0]
+    got = client.completions.create(model="tiny-trained", prompt=PROMPT_IDS, max_tokens=6, temperature=temperature,
+                                    seed=seed, logprobs=5, extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = got.choices[0]
+    assert choice.model_extra["token_ids"] == want.output_ids
+    lp = choice.logprobs
+    diffs = [abs(g - w.logprob) for g, w in zip(lp.token_logprobs, want.logprobs)]
+    print(f"max |logprob difference| vs the engine: {max(diffs):.2e}")
+    assert len(lp.token_logprobs) == 6 and max(diffs) <= TOL
+    for top, w in zip(lp.top_logprobs, want.logprobs):
+        assert len(top) == len({t for t, _ in w.top})  # token texts may coincide; at most 5
+        assert sorted(top.values(), reverse=True)[0] == pytest.approx(w.top[0][1], abs=TOL)
+    if temperature == 0:  # greedy: the chosen token is the most likely one
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+            assert _close(chosen, max(top.values()))
+
+
+def test_grpc_logprobs_and_chat_top_logprobs(up, client, engine):
+    want = engine.generate([PROMPT_IDS], SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=3))[0]
+    req = gen_pb.GenerateRequest(sampling_params=sampling_to_proto(
+        SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=3)))
+    req.tokenized.input_ids.extend(PROMPT_IDS)
+    streamed = []
+    with grpc.insecure_channel(f"127.0.0.1:{up.port}") as ch:
+        for msg in gen_grpc.GenerationStub(ch).Generate(req, timeout=60):
+            if msg.HasField("chunk"):
+                assert len(msg.chunk.logprobs) == len(msg.chunk.token_ids)
+                streamed += msg.chunk.logprobs
+            else:
+                complete = msg.complete
+    assert [e.token_id for e in complete.logprobs] == want.output_ids
+    for entries in (streamed, list(complete.logprobs)):
+        for e, w in zip(entries, want.logprobs, strict=True):
+            assert _close(e.logprob, w.logprob)
+            assert [t.token_id for t in e.top] == [t for t, _ in w.top]
+            assert all(_close(t.logprob, v) for t, (_, v) in zip(e.top, w.top))
+    chat = client.chat.completions.create(model="tiny-trained", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=4)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 4 and _close(item.logprob, item.top_logprobs[0].logprob)
+        assert item.token == item.top_logprobs[0].token
+
+
+def test_echo_returns_the_engines_prompt_logprobs(up, client, engine):
+    """What lm-eval's completions model sends to score a continuation: echo + logprobs=1, one new token."""
+    want = engine.generate([PROMPT_IDS], SamplingParams(max_new_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    got = client.completions.create(model="tiny-trained", prompt=PROMPT_IDS, max_tokens=1, temperature=0,
+                                    logprobs=1, echo=True)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(PROMPT_IDS) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    prompt_want = [w.logprob for w in want.prompt_logprobs[1:]]
+    diffs = [abs(g - w) for g, w in zip(lp.token_logprobs[1:len(PROMPT_IDS)], prompt_want, strict=True)]
+    print(f"max |prompt logprob difference| vs the engine: {max(diffs):.2e}")
+    assert max(diffs) <= TOL
+    assert _close(lp.token_logprobs[-1], want.logprobs[0].logprob)
+    text = "def parse(x):"
+    echoed = client.completions.create(model="tiny-trained", prompt=text, max_tokens=2, echo=True)
+    assert echoed.choices[0].text.startswith(text)
+
+
+def test_n_choices_with_a_seed_are_distinct_and_reproducible(up, client):
+    def ask():
+        r = client.completions.create(model="tiny-trained", prompt="def ", max_tokens=8, temperature=1.0, n=3,
+                                      seed=11, extra_body={"ignore_eos": True})
+        assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24
+        return [c.text for c in r.choices]
+
+    first = ask()
+    assert ask() == first
+    assert len(set(first)) > 1, first
+    stream = client.completions.create(model="tiny-trained", prompt="def ", max_tokens=8, temperature=1.0, n=3,
+                                       seed=11, stream=True, extra_body={"ignore_eos": True})
+    texts = ["", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == first
+
+
+# ---- signals: last, the first one kills the module's stack ------------------------------------------------------
+def test_ctrl_c_at_any_moment_exits_0_without_a_traceback(tmp_path):
+    for when in ("starting", "pdserve is up"):
+        u = Up(tmp_path, "--skip-warmup", "--page-size", "4", name=when.replace(" ", "-"))
+        deadline = time.monotonic() + 120
+        while when not in u.text():
+            assert u.proc.poll() is None and time.monotonic() < deadline, u.text()[-2000:]
+            time.sleep(0.02)
+        u.proc.send_signal(signal.SIGINT)
+        assert u.proc.wait(30) == 0, u.text()[-2000:]
+        assert "Traceback" not in u.text() and "Event loop is closed" not in u.text(), u.text()[-3000:]
+
+
+def test_sigkill_of_up_leaves_no_worker_alive(up):
+    workers = up.workers()
+    assert len(workers) == 2
+    up.proc.kill()
+    up.proc.wait(5)
+    deadline = time.monotonic() + 5
+    while any(alive(w) for w in workers):
+        assert time.monotonic() < deadline, "workers outlived a SIGKILLed `pdserve up`"
+        time.sleep(0.1)
+
+
+# ---- the README, as written, against the README's main job ------------------------------------------------------
+def _readme_blocks(lang: str) -> list[str]:
+    text = (REPO / "README.md").read_text()
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+def test_readme_examples_run_as_written_against_demo_sh(tmp_path):
+    """`scripts/demo.sh` (default ports, no flags), then the README's first `pdserve generate --target` lines and its
+    OpenAI Python snippet, verbatim."""
+    from pdserve.cli.serve import _port_taken
+
+    busy = [p for p in (50051, 8000, 9100, 9101, 9102) if _port_taken("127.0.0.1", p)]
+    if busy:
+        pytest.skip(f"the default ports {busy} are in use on this machine")
+    log = tmp_path / "demo.log"
+    demo = subprocess.Popen(["bash", "scripts/demo.sh"], cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while "pdserve is up" not in log.read_text():
+            assert demo.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        commands = [line for block in _readme_blocks("bash") for line in block.splitlines()
+                    if line.startswith("pdserve generate --target localhost:50051")]
+        assert len(commands) == 2
+        for line in commands:
+            out = subprocess.run(line.split("#")[0], shell=True, cwd=tmp_path, capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0 and out.stdout.strip(), (line, out.stderr)
+        snippet = next(b for b in _readme_blocks("python") if "base_url=\"http://localhost:8000/v1\"" in b)
+        out = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert len(out.stdout.strip().splitlines()) >= 2, out.stdout
+    finally:
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(30) == 0, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text()
