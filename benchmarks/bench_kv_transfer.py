@@ -319,7 +319,8 @@ def same_gpu_main(args) -> None:
     rows = torch.randn(args.layers, max(args.tokens), args.kv_dim, device=device).to(layout.torch_dtype)
     result = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "backend": args.backend, "device": args.prefill_device,
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "backend": args.backend, "device": args.prefill_device,
               "layout": layout.to_dict(), "page_size": args.page_size, "cases": []}
     backends = [args.backend] + (["tcp"] if args.compare_tcp and args.backend != "tcp" else [])
     room = 1
@@ -336,8 +337,8 @@ def same_gpu_main(args) -> None:
                        "mem_get_info_bytes": before - free_bytes(device),
                        "transport": next(iter(sender._conns.values())).transport}
             result.setdefault("pairing", []).append(pairing)
-            print(f"{backend}: pairing (connect, handshake, map) + a 1-token room {pairing['first_room_seconds'] * 1e3:.1f}"
-                  f" ms, over {pairing['transport']}; device memory {pairing['mem_get_info_bytes'] / 2**20:.1f} MiB",
+            print(f"{backend}: pairing (connect, handshake, map) + a 1-token room "
+                  f"{pairing['first_room_seconds'] * 1e3:.1f} ms, over {pairing['transport']}; device memory {pairing['mem_get_info_bytes'] / 2**20:.1f} MiB",
                   flush=True)
             for layers in args.layer_sets:
                 if backend == "tcp" and layers != min(args.layer_sets):

@@ -8,9 +8,10 @@ IPC handle. The choice is logged on both sides and is the `transport` label of t
 
 Handle. The decode worker calls torch's own export, `UntypedStorage._share_cuda_()` on the pool (what
 `torch.multiprocessing.reductions.reduce_tensor` calls: cudaIpcGetMemHandle of the pool's cudaMalloc block, its
-offset in it, torch's IPC reference-counter file and an IPC event), once per pairing. Only those fields travel,
-as JSON (bytes base64) over the authenticated control connection: pdserve never unpickles peer data, so
-`reduce_tensor`'s (function, args) pair is not sent. The prefill worker checks them (sizes, shape against the
+offset in it, torch's IPC reference-counter file and an IPC event), once, when the receiver is built (before the
+decode engine runs: the export re-wraps the storage's data pointer), and hands the same fields to every pairing.
+Only those fields travel, as JSON (bytes base64) over the authenticated control connection: pdserve never unpickles
+peer data, so `reduce_tensor`'s (function, args) pair is not sent. The prefill worker checks them (sizes, shape against the
 layout, counter file name) and rebuilds the storage with torch's `UntypedStorage._new_shared_cuda`, the call
 `rebuild_cuda_tensor` makes; torch then owns the mapping's lifetime: cudaIpcCloseMemHandle once the last tensor on
 it is gone (the connection drops it when it ends, after its copies finished).

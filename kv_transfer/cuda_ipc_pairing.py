@@ -115,7 +115,7 @@ class IpcBackend:
         return None
 
     def export(self, kv: torch.Tensor) -> dict[str, Any]:
-        """The fields of `kv`'s IPC handle, JSON-serialisable (torch's own export; once per pairing)."""
+        """The fields of `kv`'s IPC handle, JSON-serialisable (torch's own export; the receiver calls it once)."""
         (_, handle, size, offset, counter, counter_offset, event, event_sync) = kv.untyped_storage()._share_cuda_()
         return {"gpu": gpu_uuid(kv.device), "handle": _b64(handle), "storage_bytes": int(size),
                 "storage_offset": int(offset), "counter": _b64(counter), "counter_offset": int(counter_offset),
@@ -154,14 +154,12 @@ def check_export(fields: Any, layout) -> None:
     need = shape[0] * shape[1] * shape[2] * layout.torch_dtype.itemsize
     if fields["storage_bytes"] < need:
         raise ValueError(f"pool {shape} needs {need} bytes, its storage has {fields['storage_bytes']}")
-    for key in ("handle", "counter", "event"):
+    for key in ("handle", "counter", "event"):  # torch passes each as bytes, none may be missing
         value = fields.get(key)
-        if not (value is None or (isinstance(value, str) and len(value) <= _MAX_HANDLE_BYTES)):
-            raise ValueError(f"handle field {key!r} is not a short base64 string")
-    if not fields.get("handle"):
-        raise ValueError("the pool's IPC handle is empty")
-    counter = _unb64(fields.get("counter"))
-    if counter is not None and not _COUNTER_NAME.match(counter):
+        if not (isinstance(value, str) and 0 < len(value) <= _MAX_HANDLE_BYTES):
+            raise ValueError(f"handle field {key!r} is not a short, non-empty base64 string")
+    counter = _unb64(fields["counter"])
+    if not _COUNTER_NAME.match(counter):
         raise ValueError(f"reference-counter name {counter[:40]!r} is not one of torch's")
     if not isinstance(fields.get("gpu"), str) or not isinstance(fields.get("event_sync"), bool):
         raise ValueError("the handle does not name its GPU or event flag")

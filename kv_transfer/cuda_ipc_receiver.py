@@ -73,6 +73,14 @@ class CudaIpcKVReceiver(TcpKVReceiver):
         self._kv = kv_buffer
         self._facts = self._ipc.local_facts(kv_buffer.device)
         self._export_problem = self._ipc.export_problem(kv_buffer)
+        self._export: Optional[dict[str, Any]] = None
+        if self._export_problem is None:
+            # NOTE: once, here, before the decode engine runs anything on the pool: torch's export re-wraps the
+            # storage's data pointer (same address) in its IPC reference counting; every pairing gets these fields.
+            try:
+                self._export = self._ipc.export(kv_buffer)
+            except (RuntimeError, ValueError, TypeError) as e:
+                self._export_problem = f"exporting the decode pool over CUDA IPC failed: {e}"
         if self.transport == IPC and self._export_problem:
             raise ValueError(f"--kv-transport cuda_ipc: {self._export_problem} (or use --kv-transport auto/tcp)")
         self._drain_timeout_s = drain_timeout_s
@@ -113,13 +121,7 @@ class CudaIpcKVReceiver(TcpKVReceiver):
         except ValueError as e:
             return f"bad HELLO: {e}"
         mode, why = choose_transport(wants, self.transport, facts, self._facts, self._export_problem)
-        if mode == IPC:
-            try:
-                conn.export = self._ipc.export(self._kv)
-            except (RuntimeError, ValueError) as e:  # the driver refused: pair over tcp where the sender may
-                logger.warning("KV receiver %s: exporting the pool for %s failed: %s", self.endpoint, conn.addr, e)
-                mode, why = (TCP, f"cuda_ipc impossible: exporting the pool failed: {e}") if wants == AUTO \
-                    else (None, f"--kv-transport cuda_ipc: exporting the decode pool failed: {e}")
+        conn.export = self._export if mode == IPC else None
         if mode is None:
             return why
         conn.mode, conn.reason = mode, why

@@ -245,7 +245,7 @@ class CudaIpcKVSender(TcpKVSender):
         try:
             check_export(hello_ok.get("ipc"), self.layout)
             remote = self._ipc.open(hello_ok["ipc"], self.layout.torch_dtype)
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, TypeError) as e:  # TypeError: torch refused the fields' types
             message = f"decode KV endpoint {endpoint}'s pool cannot be mapped here: {e}"
             if self.transport == AUTO:
                 raise _MapFailed(message) from None

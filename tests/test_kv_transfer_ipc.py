@@ -48,8 +48,9 @@ class FakeIpc(IpcBackend):
         key = uuid.uuid4().hex
         FakeIpc.pools[key] = kv
         return {"gpu": self.gpu, "handle": base64.b64encode(key.encode()).decode(),
-                "storage_bytes": kv.numel() * kv.element_size(), "storage_offset": 0, "counter": None,
-                "counter_offset": 0, "event": None, "event_sync": False, "shape": list(kv.shape),
+                "storage_bytes": kv.numel() * kv.element_size(), "storage_offset": 0,
+                "counter": base64.b64encode(b"/torch_123_4567_0").decode(), "counter_offset": 0,
+                "event": base64.b64encode(bytes(64)).decode(), "event_sync": False, "shape": list(kv.shape),
                 "dtype": str(kv.dtype).removeprefix("torch.")}
 
     def open(self, fields, dtype):
@@ -89,7 +90,8 @@ def test_the_handshake_choice(prefill_wants, decode_wants, prefill, decode, prob
 def test_auto_is_registered_for_every_device_and_cuda_ipc_needs_a_gpu():
     assert {"auto", "cuda_ipc"} <= set(TRANSPORTS.names())
     check_transport_device("auto", "cpu")
-    with pytest.raises(ValueError, match="--kv-transport cuda_ipc needs a CUDA device; this worker runs on cpu: use tcp"):
+    with pytest.raises(ValueError, match="--kv-transport cuda_ipc needs a CUDA device; this worker runs on cpu: "
+                                         "use tcp"):
         check_transport_device("cuda_ipc", "cpu")
 
 
@@ -119,7 +121,8 @@ def test_handle_fields_and_pages_from_the_peer_are_checked():
                             ({"storage_bytes": 100}, "needs"),
                             ({"storage_offset": -1}, "non-negative"),
                             ({"counter": base64.b64encode(b"/etc/passwd").decode()}, "not one of torch's"),
-                            ({"handle": ""}, "empty"),
+                            ({"handle": ""}, "non-empty"),
+                            ({"event": None}, "non-empty"),
                             ({"shape": "big"}, "not \\(layers, slots, kv_dim\\)")]:
         with pytest.raises(ValueError, match=message):
             check_export({**good, **change}, layout)
