@@ -98,6 +98,12 @@ class CudaIpcKVReceiver(TcpKVReceiver):
             self._drop_locked(r, "aborted", f"room {room} was cancelled by the decode worker", callback=granted)
             return not granted
 
+    def close(self) -> None:
+        super().close()
+        with self._lock:  # the connections are down: rooms still waiting for their sender's release go now
+            for r in list(self._draining.values()):
+                self._release_locked(r)
+
     def transport_of(self, room: int) -> str:
         """The transport a pending room's rows travel over (its pairing's; "" before a sender touched it)."""
         with self._lock:

@@ -318,6 +318,18 @@ def test_a_sender_that_never_releases_loses_its_pairing(cleanup):
     assert landed(decode, 32, pages)
 
 
+def test_closing_the_receiver_releases_rooms_still_draining(cleanup):
+    decode = ipc_decode(cleanup, drain_timeout_s=60)
+    s = ipc_sender(cleanup)
+    h, _ = send(s, decode, 41, layers=[0], finish=False)
+    decode.rec.wait_for(lambda: 41 in decode.receiver._rooms and decode.receiver._rooms[41].granted)
+    h._fail = lambda *a: False  # the sender never releases the room
+    assert decode.cancel(41) is False
+    decode.receiver.close()
+    decode.rec.wait_for(lambda: decode.rec.failed)
+    assert decode.rec.failed[0][1].kind == "aborted" and decode.idle
+
+
 # ---- real worker processes ---------------------------------------------------------------------------------------
 
 def test_workers_log_and_label_the_transport_their_pairing_chose(tiny_v3_dir, tmp_path):
