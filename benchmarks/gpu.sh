@@ -170,7 +170,8 @@ suite_kv_ipc() {  # kv-ipc.log, kv_ipc.json, ttft_<transport>_<len>.json, up_<tr
   for t in cuda_ipc tcp; do
     port=$((50100 + RANDOM % 1000))
     python3 -m pdserve up --model "$model" --load-format dummy --device cuda --kv-transport "$t" --skip-warmup \
-      --port "$port" --num-pages 4096 --max-num-batched-tokens 4096 >"$d/up_$t.log" 2>&1 &
+      --port "$port" --http-port $((port + 1)) --metrics-port 0 --num-pages 4096 --max-num-batched-tokens 4096 \
+      >"$d/up_$t.log" 2>&1 &
     local up=$!
     for _ in $(seq 120); do grep -q "pdserve is up" "$d/up_$t.log" && break; sleep 1; done
     for len in 2048 16384; do
