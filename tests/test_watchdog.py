@@ -59,16 +59,21 @@ def test_frozen_decode_worker_fails_over_and_rejoins(tiny_v3_dir, tmp_path):
         assert statuses <= {"OK", "UNAVAILABLE"}, statuses
         held = [r for r in results if r[0] < frozen_at < r[1]]
         assert held, "no request was in flight when the worker froze"
-        late = [r for r in held if r[1] > frozen_at + DETECT_S + MARGIN_S]
-        assert not late, (f"{len(late)} of {len(held)} requests in flight at SIGSTOP ended "
-                          f"{max(r[1] for r in late) - frozen_at:.1f} s after it (limit {DETECT_S + MARGIN_S} s)")
-        print(f"{len(held)} requests in flight at SIGSTOP: all ended within "
-              f"{max(r[1] for r in held) - frozen_at:.1f} s; "
-              f"{sum(r[2] == 'UNAVAILABLE' for r in results)} UNAVAILABLE in all")
         # While it stayed frozen, requests started after the failover went through the survivor.
         served = [r for r in results if r[0] > frozen_at + DETECT_S + MARGIN_S and r[1] < resumed_at
                   and r[2] == "OK"]
         assert len(served) >= 4, f"only {len(served)} requests completed while the worker was frozen"
+        # A held request ends within the detection time plus a margin, or, when it was on the survivor all along
+        # or retried there (no token sent yet), within that plus one whole request's time on the survivor (on a
+        # loaded CPU 150 tokens can take longer than the margin).
+        on_survivor = max(end - start for start, end, *_ in served)
+        limit = DETECT_S + MARGIN_S + on_survivor
+        late = [r for r in held if r[1] > frozen_at + limit]
+        assert not late, (f"{len(late)} of {len(held)} requests in flight at SIGSTOP ended "
+                          f"{max(r[1] for r in late) - frozen_at:.1f} s after it (limit {limit:.1f} s)")
+        print(f"{len(held)} requests in flight at SIGSTOP: all ended within "
+              f"{max(r[1] for r in held) - frozen_at:.1f} s (a request on the survivor took up to "
+              f"{on_survivor:.1f} s); {sum(r[2] == 'UNAVAILABLE' for r in results)} UNAVAILABLE in all")
         down = counters(stack.router, "pdserve_workers_down_total", "reason")
         assert down.get("missed_checks", 0) + down.get("stalled", 0) >= 1, down
         # After SIGCONT it rejoins by itself and holds nothing from the requests it was cut off from.
