@@ -333,12 +333,12 @@ def test_closing_the_receiver_releases_rooms_still_draining(cleanup):
 # ---- real worker processes ---------------------------------------------------------------------------------------
 
 def test_workers_log_and_label_the_transport_their_pairing_chose(tiny_v3_dir, tmp_path):
-    """`pdserve prefill` / `decode` with the default --kv-transport (auto) on the CPU: the pair settles on tcp, both
+    """`pdserve prefill` / `decode` with --kv-transport auto on the CPU: the pair settles on tcp, both
     workers say so and why on stderr, and the prefill worker's transfer metrics carry transport="tcp"."""
     from pdserve.sampling import SamplingParams
     from stack import generate, scrape, start_stack
 
-    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cpu", "--skip-warmup"])
+    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cpu", "--skip-warmup", "--kv-transport", "auto"])
     try:
         result = generate(stack.router.address, [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=3, temperature=0.0))
         assert result.completion_tokens == 3
