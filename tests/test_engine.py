@@ -133,3 +133,49 @@ def test_deepseek_v2_and_fp8_run(tiny_v2_dir, tiny_v3_fp8_dir):
     for model_dir in (tiny_v2_dir, tiny_v3_fp8_dir):
         out = make_engine(model_dir).generate([PROMPTS[0]], GREEDY)[0]
         assert len(out.output_ids) == 16
+
+
+def test_logprobs_are_the_log_softmax_of_the_logits_and_survive_chunking(tiny_v3_dir):
+    """Each token's logprob is log_softmax(logits / T) of the step that sampled it (raw logits when greedy), prompt
+    logprobs come out the same whether the prompt is computed in one step or in chunks of 8, and a request that
+    asks for none gets none."""
+    import torch
+
+    prompt = list(range(3, 33))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    whole = make_engine(tiny_v3_dir).generate([prompt], params)[0]
+    chunked = make_engine(tiny_v3_dir, budget=8).generate([prompt], params)[0]
+    assert whole.output_ids == chunked.output_ids and len(whole.prompt_logprobs) == len(prompt)
+    assert whole.prompt_logprobs[0] is None and chunked.prompt_logprobs[0] is None
+    for a, b in zip(whole.prompt_logprobs[1:] + whole.logprobs, chunked.prompt_logprobs[1:] + chunked.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert [lp.token_id for lp in whole.logprobs] == whole.output_ids
+    assert [lp.token_id for lp in whole.prompt_logprobs[1:]] == prompt[1:]
+    # The reference: the model's logits at the last position of each prefix, through the engine's forward.
+    engine = make_engine(tiny_v3_dir)
+    seen = []
+    engine.sampler.sample = lambda logits, p, g: (seen.append(logits.clone()), torch.argmax(logits, -1))[1]
+    engine.generate([prompt], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for lp, logits in zip(whole.logprobs, seen):
+        want = torch.log_softmax(logits[0].float(), -1)
+        assert abs(lp.logprob - want[lp.token_id].item()) < 1e-5
+        assert lp.top[0][1] == pytest.approx(want.max().item(), abs=1e-5)
+    engine, seen = make_engine(tiny_v3_dir), []
+    sample = engine.sampler.sample
+    engine.sampler.sample = lambda logits, p, g: (seen.append(logits.clone()), sample(logits, p, g))[1]
+    warm = engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0.5, seed=1, logprobs=0))[0]
+    for lp, logits in zip(warm.logprobs, seen, strict=True):  # sampled: the temperature is applied
+        assert lp.top == ()
+        assert abs(lp.logprob - torch.log_softmax(logits[0].float() / 0.5, -1)[lp.token_id].item()) < 1e-5
+    plain = make_engine(tiny_v3_dir).generate([prompt], SamplingParams(max_new_tokens=2))[0]
+    assert plain.logprobs is None and plain.prompt_logprobs is None
+
+
+def test_logprobs_are_refused_with_speculative_decoding(tiny_v3_dir):
+    from pdserve.spec_decode import SpeculativeConfig
+
+    engine = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
+                                    speculative=SpeculativeConfig("NEXTN")))
+    with pytest.raises(ValueError, match="^logprobs: not available .*speculative"):
+        engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2, logprobs=1))
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, prompt_logprobs=1))[0].prompt_logprobs

@@ -153,6 +153,29 @@ def test_up_lists_every_endpoint_and_serves_metrics_by_default(up):
     # predictable worker ports: prefill 0 at +1, decode 0 at +2
     assert metric(up.metrics_port + 1, "pdserve_num_running_reqs", role="prefill") == 0
     assert metric(up.metrics_port + 2, "pdserve_num_running_reqs", role="decode") == 0
+    # metrics listen where gRPC does (--host 127.0.0.1), not on every interface
+    for port in (up.metrics_port, up.metrics_port + 1, up.metrics_port + 2, up.http_port, up.port):
+        assert listening_addresses(port) == {"127.0.0.1"}, port
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of the IPv4/IPv6 sockets listening on `port` (from /proc/net/tcp*)."""
+    import ipaddress
+
+    found = set()
+    for name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                raw = bytes.fromhex(address)
+                if len(raw) == 4:
+                    found.add(str(ipaddress.IPv4Address(raw[::-1])))
+                else:  # /proc writes IPv6 as four little-endian words
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                    v6 = ipaddress.IPv6Address(words)
+                    found.add(str(v6.ipv4_mapped or v6))
+    return found
 
 
 def test_a_second_up_on_a_taken_port_exits_2_naming_it_and_the_first_keeps_serving(up, client, tmp_path):
@@ -172,6 +195,12 @@ def test_a_second_up_on_a_taken_port_exits_2_naming_it_and_the_first_keeps_servi
         assert message in second.stderr and "Traceback" not in second.stderr, second.stderr
         assert "starting" not in second.stderr, "checked before any worker starts"
         assert time.monotonic() - start < 15
+    # A lone router (gRPC's own bind, which shared ports through SO_REUSEPORT) refuses the port too.
+    router = subprocess.run([sys.executable, "-m", "pdserve", "router", "--port", str(up.port), "--prefill",
+                             f"127.0.0.1:{free_port()}", "--decode", f"127.0.0.1:{free_port()}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert router.returncode == 2 and f"--port: cannot listen on 127.0.0.1:{up.port}" in router.stderr, router.stderr
+    assert "Traceback" not in router.stderr
     # The first stack still answers, every connection on it (no port shared with a second server).
     for _ in range(5):
         with grpc.insecure_channel(f"127.0.0.1:{up.port}") as ch:
@@ -286,6 +315,11 @@ def test_grpc_logprobs_and_chat_top_logprobs(up, client, engine):
             assert _close(e.logprob, w.logprob)
             assert [t.token_id for t in e.top] == [t for t, _ in w.top]
             assert all(_close(t.logprob, v) for t, (_, v) in zip(e.top, w.top))
+    bad = gen_pb.GenerateRequest(sampling_params=gen_pb.SamplingParams(max_new_tokens=2, logprobs=21))
+    bad.tokenized.input_ids.extend(PROMPT_IDS)
+    with grpc.insecure_channel(f"127.0.0.1:{up.port}") as ch, pytest.raises(grpc.RpcError) as info:
+        list(gen_grpc.GenerationStub(ch).Generate(bad, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in info.value.details()
     chat = client.chat.completions.create(model="tiny-trained", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0, logprobs=True, top_logprobs=4)
     content = chat.choices[0].logprobs.content
@@ -334,15 +368,22 @@ def test_n_choices_with_a_seed_are_distinct_and_reproducible(up, client):
 
 # ---- signals: last, the first one kills the module's stack ------------------------------------------------------
 def test_ctrl_c_at_any_moment_exits_0_without_a_traceback(tmp_path):
-    for when in ("starting", "pdserve is up"):
-        u = Up(tmp_path, "--skip-warmup", "--page-size", "4", name=when.replace(" ", "-"))
+    """Ctrl-C while the workers start and right at "is up"; SIGHUP (the terminal closed) stops it the same way."""
+    for when, flags, sig in (("starting", (), signal.SIGINT),
+                             ("pdserve is up", ("--no-http", "--no-metrics"), signal.SIGINT),
+                             ("pdserve is up", (), signal.SIGHUP)):
+        u = Up(tmp_path, "--skip-warmup", "--page-size", "4", *flags, name=when.replace(" ", "-") + sig.name)
         deadline = time.monotonic() + 120
         while when not in u.text():
             assert u.proc.poll() is None and time.monotonic() < deadline, u.text()[-2000:]
             time.sleep(0.02)
-        u.proc.send_signal(signal.SIGINT)
+        workers = u.workers()
+        u.proc.send_signal(sig)
         assert u.proc.wait(30) == 0, u.text()[-2000:]
+        assert not any(alive(w) for w in workers), "workers outlived `pdserve up`"
         assert "Traceback" not in u.text() and "Event loop is closed" not in u.text(), u.text()[-3000:]
+        if flags:  # nothing listens on the ports those flags turned off
+            assert "OpenAI HTTP API" not in u.text() and "metrics" not in u.text().split("pdserve is up")[1]
 
 
 def test_sigkill_of_up_leaves_no_worker_alive(up):
@@ -394,3 +435,17 @@ def test_readme_examples_run_as_written_against_demo_sh(tmp_path):
         demo.send_signal(signal.SIGINT)
         assert demo.wait(30) == 0, log.read_text()[-3000:]
     assert "Traceback" not in log.read_text()
+
+
+def test_generate_defaults_to_the_demo_model_and_finds_relative_paths_from_anywhere(tmp_path):
+    outputs = []
+    for flags in ([], ["--model", "models/tiny-trained"]):
+        out = subprocess.run([sys.executable, "-m", "pdserve", "generate", *flags, "--input-ids", "5,6,7",
+                              "--max-new-tokens", "3", "--json"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        outputs.append(json.loads(out.stdout)["output_ids"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 3
+    missing = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--model", "models/nope", "--input-ids",
+                              "5"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "--model models/nope: the directory does not exist" in missing.stderr

@@ -332,6 +332,10 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
     pool = WorkerPool({"prefill": args.prefill, "decode": args.decode}, discover, health=health,
                       security=security_from_args(args),
                       on_down=lambda w, kind: metrics.count(metrics.workers_down, reason=kind))
+    if args.model:  # as the workers find it: relative paths fall back to the checkout
+        from pdserve.cli.engine_args import resolve_model_dir
+
+        args.model = resolve_model_dir(args.model)
     tokenizer = Tokenizer.from_model_dir(args.model) if args.model else None
     # getattr: `pdserve up` builds these arguments itself and sets only the basic ones.
     config = RouterConfig(args.host, args.port, args.balance_threshold, records_ownership=not args.redis_url,
