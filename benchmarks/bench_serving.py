@@ -122,7 +122,9 @@ def stop(up: subprocess.Popen) -> None:
 def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> None:
     """Fills `result` as it goes (save() after each measurement); each run's files go to `out`."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), *engine_flags(args, model)]
+    # gRPC only: the fixed default HTTP and metrics ports (8000, 9100+) could be taken on a shared machine
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--no-http", "--no-metrics",
+           *engine_flags(args, model)]
     log_path = os.path.join(args.out, f"{name}_up.log")
     log(f"{name}: starting the stack: {shlex.join(cmd[1:])}")
     t0 = time.monotonic()
