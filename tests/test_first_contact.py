@@ -449,3 +449,23 @@ def test_generate_defaults_to_the_demo_model_and_finds_relative_paths_from_anywh
     missing = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--model", "models/nope", "--input-ids",
                               "5"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "--model models/nope: the directory does not exist" in missing.stderr
+
+
+@pytest.mark.parametrize("role, flag", [("prefill", "--metrics-port"), ("decode", "--metrics-port"),
+                                        ("prefill", "--port"), ("router", "--metrics-port"),
+                                        ("router", "--http-port")])
+def test_lone_processes_name_the_taken_port_without_a_traceback(role, flag, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        extra = (["--skip-warmup"] if role != "router" else
+                 ["--prefill", f"127.0.0.1:{free_port()}", "--decode", f"127.0.0.1:{free_port()}", "--port",
+                  str(free_port())])
+        out = subprocess.run([sys.executable, "-m", "pdserve", role, *extra, flag, str(port)], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"pdserve {role}: error: {flag}: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, out.stderr

@@ -172,20 +172,20 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     _nccl_error_handling(args)
     _show_kv_pairings()
     start = time.monotonic()
+    metrics = Metrics.create("prefill")
+    mport = _serve_metrics(metrics, args.metrics_port, args.host)  # first: a taken port fails before the model loads
     config = PrefillWorkerConfig(engine_config_from_args(args, prefill_only=True), host=args.host, port=args.port,
                                  kv_transport=args.kv_transport, kv_layerwise=not args.no_kv_layerwise,
                                  transfer_timeout_s=args.transfer_timeout,
                                  max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                  security=security_from_args(args), warmup=not args.skip_warmup,
                                  test_hook_slow_first_forward_s=args.test_hook_slow_first_forward)
-    metrics = Metrics.create("prefill")
     worker = PrefillWorker(config, _identity(args, "prefill", args.port), metrics)
     built = time.monotonic() - start
     state = {}
 
     def ready(port: int) -> None:
         worker.identity = dataclasses.replace(worker.identity, address=_identity(args, "prefill", port).address)
-        mport = _serve_metrics(metrics, args.metrics_port, args.host)
         if args.redis_url:
             from pdserve.cluster.ownership import RedisOwnership
 
@@ -215,6 +215,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     _nccl_error_handling(args)
     _show_kv_pairings()
     start = time.monotonic()
+    metrics = Metrics.create("decode")
+    mport = _serve_metrics(metrics, args.metrics_port, args.host)  # first: a taken port fails before the model loads
     engine = engine_config_from_args(args)
     # Decode keeps no prefix cache: its pages come from prefill and return to the pool when a request ends.
     engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, enable_prefix_cache=False))
@@ -224,7 +226,6 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                 max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                 security=security_from_args(args), warmup=not args.skip_warmup,
                                 test_hook_slow_first_forward_s=args.test_hook_slow_first_forward)
-    metrics = Metrics.create("decode")
     worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics)
     built = time.monotonic() - start
     worker.core.spec_observer = SpecMetrics(metrics)  # pdserve_spec_* histograms (recorded only when speculating)
@@ -232,7 +233,6 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         worker.identity = dataclasses.replace(worker.identity, address=_identity(args, "decode", port).address)
-        mport = _serve_metrics(metrics, args.metrics_port, args.host)
         state["registration"] = _register(args, worker, "decode", mport)
         _say(f"decode worker {worker.identity.worker_id} serving on {worker.identity.address}, KV receiver on "
              f"{worker.receiver.endpoint}" + (f", metrics on :{mport}" if mport else "")
@@ -344,15 +344,20 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
                           max_request_bytes=getattr(args, "max_request_bytes", 16 << 20),
                           tokenize_threads=getattr(args, "tokenize_threads", 2))
     router = Router(config, pool, ownership, metrics, tokenizer)
+    mport = _serve_metrics(metrics, args.metrics_port, args.host)
     server, port = await start_router(router)
     http = None
     if args.http_port is not None:  # after gRPC: both fronts share the router, its pool and its loop
         from pdserve.router.openai_http import OpenAIHttpConfig, start_openai_http
 
-        http, http_port = await start_openai_http(
-            router, OpenAIHttpConfig(args.host, args.http_port, args.model, security=pool.security),
-            drain=server._pdserve_drain)  # one drain for both fronts: SIGTERM waits for HTTP requests too
-    mport = _serve_metrics(metrics, args.metrics_port, args.host)
+        try:
+            http, http_port = await start_openai_http(
+                router, OpenAIHttpConfig(args.host, args.http_port, args.model, security=pool.security),
+                drain=server._pdserve_drain)  # one drain for both fronts: SIGTERM waits for HTTP requests too
+        except OSError:  # a taken port: stop the started gRPC server on this loop, then say so
+            await server.stop(0)
+            await pool.close()
+            raise
     _say(f"router serving pdserve.v1.Generation on {args.host}:{port} with "
          f"{len(pool.of_role('prefill'))} prefill and {len(pool.of_role('decode'))} decode workers"
          + (f", OpenAI HTTP on :{http_port}" if http else "") + (f", metrics on :{mport}" if mport else ""))
