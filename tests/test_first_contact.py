@@ -366,6 +366,29 @@ def test_n_choices_with_a_seed_are_distinct_and_reproducible(up, client):
     assert texts == first
 
 
+@pytest.mark.parametrize("path, payload", [
+    ("/v1/completions", {"prompt": "def f(x):", "best_of": 1, "max_tokens": 12, "stream": True,
+                         "temperature": 0.0, "ignore_eos": True, "logprobs": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def f(x):"}], "max_completion_tokens": 12,
+                              "stream": True, "temperature": 0.0, "ignore_eos": True})])
+def test_sglang_bench_serving_request_shapes(up, path, payload):
+    """The bodies sglang.bench_serving sends (backends sglang-oai / vllm and sglang-oai-chat, random-ids dataset,
+    --return-logprob --top-logprobs-num 5), read as it reads them: SSE lines until [DONE]."""
+    conn = http.client.HTTPConnection("127.0.0.1", up.http_port, timeout=60)
+    conn.request("POST", path, json.dumps({"model": "tiny-trained", **payload}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    conn.close()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or "" for c in chunks]
+    assert "".join(texts) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    if "logprobs" in payload:
+        tokens = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"][0]["logprobs"])
+        assert tokens == 12
+
+
 # ---- signals: last, the first one kills the module's stack ------------------------------------------------------
 def test_ctrl_c_at_any_moment_exits_0_without_a_traceback(tmp_path):
     """Ctrl-C while the workers start and right at "is up"; SIGHUP (the terminal closed) stops it the same way."""
