@@ -26,7 +26,7 @@ import socket
 import ssl
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 import grpc
@@ -39,6 +39,7 @@ from pdserve.serving.grpc_shell import Drain, ServiceError
 from pdserve.common.values import MAX_LOGPROBS, SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 
+from .openai_shapes import Reply, TokenText
 from .server import Router
 
 log = logging.getLogger(__name__)
@@ -501,139 +502,6 @@ async def merged(streams: list) -> AsyncIterator[tuple[int, gen_pb.GenerateRespo
 
 async def send(resp: web.StreamResponse, obj: dict) -> None:
     await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
-
-
-class TokenText:
-    """A token id's text for logprobs (OpenAI reports tokens as strings): the tokenizer's piece, or
-    `token_id:N` without a tokenizer."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def __call__(self, token_id: int, offsets: bool = False) -> str:
-        """offsets: the token's share of the text (special tokens such as BOS have none)."""
-        if self.tokenizer is None:
-            return "" if offsets else f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=offsets)
-
-
-@dataclass
-class Reply:
-    """Builds the response objects of one request in OpenAI's shapes (completion or chat, whole or chunks)."""
-
-    kind: str  # "text_completion" | "chat.completion"
-    id: str
-    model: str
-    with_token_ids: bool
-    token_text: TokenText
-    echo_ids: Optional[list[int]] = None  # completions with echo: the prompt, whose text starts each choice
-    echo_text: Optional[str] = None
-    created: int = field(default_factory=lambda: int(time.time()))
-    echoed: set = field(default_factory=set)  # choices whose echo chunk went out (streaming)
-    offsets: dict = field(default_factory=dict)  # choice -> text offset of its next token (completions logprobs)
-
-    @property
-    def chat(self) -> bool:
-        return self.kind == "chat.completion"
-
-    def _envelope(self, choices: list, chunk: bool) -> dict:
-        kind = "chat.completion.chunk" if chunk and self.chat else self.kind
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-
-    def _prompt_text(self) -> str:
-        return self.echo_text or ""
-
-    def whole(self, completes: list[gen_pb.GenerateComplete]) -> dict:
-        choices = []
-        for i, c in enumerate(completes):
-            choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
-                if c.logprobs:
-                    choice["logprobs"] = {"content": self._chat_logprobs(c.logprobs)}
-            else:
-                choice["text"] = c.text
-                entries = list(c.logprobs)
-                if self.echo_ids is not None:
-                    choice["text"] = self._prompt_text() + c.text
-                    if c.logprobs or c.prompt_logprobs:
-                        entries = self._prompt_entries(list(c.prompt_logprobs)) + entries
-                if c.logprobs or (self.echo_ids is not None and c.prompt_logprobs):
-                    choice["logprobs"] = self._completion_logprobs(i, entries)
-            if self.with_token_ids:
-                choice["token_ids"] = list(c.output_ids)
-            choices.append(choice)
-        return {**self._envelope(choices, chunk=False), "usage": usage([c.usage for c in completes])}
-
-    def echo_chunk(self, index: int, prompt_logprobs: list) -> dict:
-        """Streaming with echo: the prompt's text (and logprobs) before the choice's first tokens."""
-        self.echoed.add(index)
-        choice = {"index": index, "text": self._prompt_text(), "logprobs": None, "finish_reason": None}
-        if prompt_logprobs:
-            choice["logprobs"] = self._completion_logprobs(index, self._prompt_entries(prompt_logprobs))
-        return self._envelope([choice], chunk=True)
-
-    def chunk(self, index: int, text: str = "", token_ids: Optional[list[int]] = None, finish: Optional[int] = None,
-              delta: Optional[dict] = None, logprobs: Optional[list] = None) -> dict:
-        choice: dict = {"index": index, "logprobs": None,
-                        "finish_reason": None if finish is None else finish_reason(finish)}
-        if self.chat:
-            choice["delta"] = delta if delta is not None else ({"content": text} if finish is None else {})
-            if logprobs:
-                choice["logprobs"] = {"content": self._chat_logprobs(logprobs)}
-        else:
-            choice["text"] = text
-            if logprobs:
-                choice["logprobs"] = self._completion_logprobs(index, logprobs)
-        if self.with_token_ids and finish is None and delta is None:
-            choice["token_ids"] = token_ids or []
-        return self._envelope([choice], chunk=True)
-
-    def usage_chunk(self, u: list[gen_pb.Usage]) -> dict:
-        return {**self._envelope([], chunk=True), "usage": usage(u)}
-
-    # ---- logprobs in OpenAI's two shapes --------------------------------------------------------------------------
-    def _prompt_entries(self, prompt_logprobs: list) -> list:
-        """The prompt's entries: None for the first token (nothing predicts it), then one per later token."""
-        ids = self.echo_ids or []
-        return [(ids[0], None)] + list(prompt_logprobs) if ids else []
-
-    def _completion_logprobs(self, index: int, entries: list) -> dict:
-        """/v1/completions: parallel lists tokens, token_logprobs, top_logprobs (token text -> logprob),
-        text_offset. An entry is a TokenLogprobs, or (token id, None) for a token without one."""
-        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self.offsets.get(index, 0)
-        for e in entries:
-            token_id, lp = e if isinstance(e, tuple) else (e.token_id, e)
-            text = self.token_text(token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(None if lp is None else lp.logprob)
-            out["top_logprobs"].append(None if lp is None else {self.token_text(t.token_id): t.logprob
-                                                                for t in lp.top})
-            out["text_offset"].append(offset)
-            offset += len(self.token_text(token_id, offsets=True))
-        self.offsets[index] = offset
-        return out
-
-    def _chat_logprobs(self, entries: list) -> list[dict]:
-        """/v1/chat/completions: logprobs.content, one object per token with its top_logprobs."""
-        def item(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
-        return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t.token_id, t.logprob) for t in e.top]}
-                for e in entries]
-
-
-def finish_reason(value: int) -> str:
-    return "length" if value == gen_pb.FINISH_REASON_LENGTH else "stop"  # OpenAI has no other reason for us
-
-
-def usage(per_choice: list[gen_pb.Usage]) -> dict:
-    """One prompt, the completion tokens of every choice."""
-    prompt, cached = per_choice[0].prompt_tokens, per_choice[0].cached_tokens
-    completion = sum(u.completion_tokens for u in per_choice)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _tls(security: SecurityConfig) -> Optional[ssl.SSLContext]:
