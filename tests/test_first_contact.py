@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import os
 import re
 import signal
@@ -40,14 +39,14 @@ TOL = 1e-4
 class Up:
     """A `pdserve up` process and its ports."""
 
-    def __init__(self, tmp: Path, *flags: str, ports: bool = True, cwd=REPO, name: str = "up"):
-        self.port, self.http_port, self.metrics_port = free_port(), free_port(), None
-        if ports:  # worker metrics take metrics_port + 1 + k: a base with free ports above it
-            self.metrics_port = free_port_run(3)
+    def __init__(self, tmp: Path, *flags: str, name: str = "up"):
+        # gRPC, HTTP, router metrics, then the workers' metrics at metrics_port + 1 + k
+        base = free_port_run(5)
+        self.port, self.http_port, self.metrics_port = base, base + 1, base + 2
         self.log = tmp / f"{name}.log"
         port_flags = ["--port", str(self.port), "--http-port", str(self.http_port), "--metrics-port",
-                      str(self.metrics_port)] if ports else []
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *port_flags, *flags], cwd=cwd,
+                      str(self.metrics_port)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *port_flags, *flags], cwd=REPO,
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -74,13 +73,16 @@ class Up:
 
 
 def free_port_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free now."""
+    """A port p with p .. p+n-1 all free now, below the kernel's ephemeral range, so that no port picked by the
+    kernel for another process (a worker's gRPC or KV port, a client) lands on it before it is bound."""
+    import random
     import socket
 
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
-        base = free_port()
+        base = random.randrange(max(1024, low - 12000), low - n)
         ok = True
-        for p in range(base + 1, base + n):
+        for p in range(base, base + n):
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", p))
@@ -182,8 +184,8 @@ def test_a_second_up_on_a_taken_port_exits_2_naming_it_and_the_first_keeps_servi
     cases = [(["--port", str(up.port)], f"--port: cannot listen on 127.0.0.1:{up.port}"),
              (["--port", str(free_port()), "--http-port", str(up.http_port)], f"--http-port: cannot listen on "
                                                                               f"127.0.0.1:{up.http_port}"),
-             (["--port", str(free_port()), "--http-port", str(free_port()), "--metrics-port",
-               str(up.metrics_port - 1)], "--metrics-port: cannot listen on"),  # its first worker's port is taken
+             (["--port", str(free_port()), "--http-port", str(free_port()), "--metrics-port",  # its first worker's
+               str(up.port - 1)], f"--metrics-port: cannot listen on 127.0.0.1:{up.port} (worker metrics"),
              (["--port", "7777", "--http-port", "7777"], "--port and --http-port are both 7777"),
              (["--model", "/nonexistent", "--port", str(free_port())], "--model /nonexistent: the directory does "
                                                                        "not exist")]

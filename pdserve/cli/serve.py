@@ -402,10 +402,14 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(avoid: frozenset[int] = frozenset()) -> int:
+    """A free port, never one of `avoid` (the fixed ports `up` has yet to bind)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def _wait_workers(procs: list[tuple[str, subprocess.Popen]], timeout_s: float, note_every_s: float = 10.0) -> None:
@@ -485,7 +489,7 @@ def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
     return [f"cuda:{k}" for k in range(need)]
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """In a worker `up` starts, before it execs: Linux sends it SIGTERM when `up` dies, however it dies (SIGKILL
     included), so no worker outlives its stack holding ports and memory (Linux only: prctl PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
@@ -494,6 +498,8 @@ def _die_with_parent() -> None:
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # NOTE: `up` died between the fork and the prctl: no signal will come
+            os._exit(1)
 
 
 def _port_taken(host: str, port: int) -> Optional[str]:
@@ -570,9 +576,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             make_tiny_model(args.model)
     args.model = resolve_model_dir(args.model)  # before any worker starts, as are the ports
     check_up_ports(args)
+    fixed_ports = frozenset(up_ports(args).values())
     up_start = time.monotonic()
     gpus = _gpu_per_worker(args)
     procs: list[tuple[str, subprocess.Popen]] = []
+    up_pid = os.getpid()
     worker_metrics: dict[str, Optional[int]] = {}
     common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout), "--kv-transport",
                                    args.kv_transport]
@@ -582,7 +590,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         k = 0
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
-                port = _free_port()
+                port = _free_port(fixed_ports)
                 cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
                        f"{role}-{i}", *common] + (["--device", gpus.pop(0)] if gpus else [])
                 name = f"{role}:127.0.0.1:{port}"
@@ -592,7 +600,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                     worker_metrics[name] = mport or None
                 k += 1
                 # Own session: a Ctrl-C in the terminal reaches `up` alone, which then stops the workers in order.
-                procs.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent, start_new_session=True)))
+                procs.append((name, subprocess.Popen(cmd, preexec_fn=lambda: _die_with_parent(up_pid),
+                                                       start_new_session=True)))
         _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ({args.device}); "
              "each loads the model, then runs its warm-up, then reports ready ...")
         _wait_workers(procs, args.start_timeout, note_every_s=5.0)
