@@ -7,7 +7,9 @@
 # cycles the main suite leaves idle, so its timing-sensitive tests see next to no extra load. Its report follows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import pytest, openai, transformers, pdserve.cli" 2>/dev/null || scripts/setup.sh  # the test extras
+# The test extras, installed once (find_spec: no import, so no cost on later runs).
+python3 -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
+  ('pytest', 'openai', 'transformers', 'pdserve')))" 2>/dev/null || scripts/setup.sh
 interp=(tests/test_triton_attention_interpret.py tests/test_triton_moe_gemm_interpret.py tests/test_triton_norm_rope_interpret.py)
 ignore=()
 for f in "${interp[@]}"; do ignore+=(--ignore="$f"); done
