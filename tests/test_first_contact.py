@@ -494,3 +494,40 @@ def test_lone_processes_name_the_taken_port_without_a_traceback(role, flag, tmp_
     assert out.returncode == 2, out.stderr
     assert f"pdserve {role}: error: {flag}: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, out.stderr
+
+
+def test_setup_sh_says_what_it_installs_and_can_skip_apt(tmp_path):
+    """scripts/setup.sh against stand-in python3 and apt-get that log their calls: --runtime installs pdserve
+    without the test extras or Debian packages (what demo.sh runs); the default announces apt-get before running it;
+    --no-apt never runs it."""
+    import shutil
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name in ("python3", "apt-get"):
+        (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {calls}\n')
+        (bin_dir / name).chmod(0o755)
+    for tool in ("dirname", "id", "sed"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    is_root = os.getuid() == 0
+
+    def setup(*flags):
+        calls.write_text("")
+        out = subprocess.run([shutil.which("bash"), str(REPO / "scripts" / "setup.sh"), *flags], cwd=tmp_path,
+                             env={"PATH": str(bin_dir)}, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stderr, calls.read_text()
+
+    said, ran = setup("--runtime")
+    assert "pip install -q -e .\n" in ran and "[test]" not in ran and "apt-get" not in ran, ran
+    assert "installing pdserve and its runtime dependencies" in said
+    said, ran = setup("--no-apt")
+    assert "pip install -q -e .[test]" in ran and "apt-get" not in ran
+    assert "not installing redis-server prometheus (--no-apt)" in said
+    said, ran = setup()
+    if is_root:
+        assert "apt-get install" in ran
+        assert "installing the Debian packages redis-server prometheus with apt-get, as root (skip with --no-apt)" \
+            in said
+    else:
+        assert "apt-get" not in ran and "sudo apt-get install" in said
