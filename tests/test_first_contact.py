@@ -368,6 +368,20 @@ def test_n_choices_with_a_seed_are_distinct_and_reproducible(up, client):
     assert texts == first
 
 
+def test_generate_cli_prints_logprobs_locally_and_through_the_stack(up, engine):
+    want = engine.generate([PROMPT_IDS], SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=2))[0]
+    ids = ",".join(map(str, PROMPT_IDS))
+    for where in (["--target", f"127.0.0.1:{up.port}"], ["--dtype", "float32"]):
+        out = subprocess.run([sys.executable, "-m", "pdserve", "generate", *where, "--input-ids", ids,
+                              "--max-new-tokens", "3", "--ignore-eos", "--json", "--logprobs", "2"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)["logprobs"]
+        assert [e["token_id"] for e in got] == want.output_ids
+        for e, w in zip(got, want.logprobs, strict=True):
+            assert _close(e["logprob"], w.logprob) and [t for t, _ in e["top"]] == [t for t, _ in w.top]
+
+
 @pytest.mark.parametrize("path, payload", [
     ("/v1/completions", {"prompt": "def f(x):", "best_of": 1, "max_tokens": 12, "stream": True,
                          "temperature": 0.0, "ignore_eos": True, "logprobs": 5}),

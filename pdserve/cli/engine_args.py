@@ -147,6 +147,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="1,2")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each new token's log-probability and its N (0-20) most likely alternatives")
 
 
 def sampling_params_from_args(args: argparse.Namespace):
@@ -154,7 +156,8 @@ def sampling_params_from_args(args: argparse.Namespace):
 
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-                          stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos)
+                          stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos,
+                          logprobs=args.logprobs)
 
 
 def _progress(msg: str) -> None:

@@ -31,7 +31,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"output_ids": out.output_ids, "text": out.new_text, "finish_reason": out.finish_reason,
                           "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.output_ids),
-                          "cached_tokens": out.cached_tokens}))
+                          "cached_tokens": out.cached_tokens}
+                         | ({"logprobs": [{"token_id": lp.token_id, "logprob": lp.logprob,
+                                           "top": [list(t) for t in lp.top]} for lp in out.logprobs]}
+                            if out.logprobs is not None else {})))
     else:
         print(out.new_text if engine.tokenizer else " ".join(map(str, out.output_ids)))
     return 0

@@ -681,7 +681,11 @@ def generate_remote(args: argparse.Namespace, params) -> int:
                                           "finish_reason": FINISH_FROM_PROTO.get(c.finish_reason, "unspecified"),
                                           "prompt_tokens": c.usage.prompt_tokens,
                                           "completion_tokens": c.usage.completion_tokens,
-                                          "cached_tokens": c.usage.cached_tokens, "request_id": msg.request_id}))
+                                          "cached_tokens": c.usage.cached_tokens, "request_id": msg.request_id}
+                                         | ({"logprobs": [{"token_id": e.token_id, "logprob": e.logprob,
+                                                           "top": [[t.token_id, t.logprob] for t in e.top]}
+                                                          for e in c.logprobs]} if params.logprobs is not None
+                                            else {})))
                     else:
                         print()
         except grpc.RpcError as e:
