@@ -47,6 +47,8 @@ def test_auto_prefers_triton_attention_only_for_graphed_decoding(gpu_with_everyt
 
 
 def test_the_role_steers_graphs_and_auto(gpu_with_everything, tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a model directory by its looks: nothing is loaded here
+
     def config(*flags, prefill_only=False):
         args = build_parser().parse_args(["generate", "--model", str(tmp_path), "--device", "cuda", *flags])
         return engine_config_from_args(args, prefill_only=prefill_only)
@@ -111,6 +113,7 @@ def test_cli_exits_2_with_the_reason(gpu_with_deep_gemm_installed, tmp_path, cap
     from pdserve.cli import main
 
     gpu_with_deep_gemm_installed(MISMATCH)
+    (tmp_path / "config.json").write_text("{}")  # refused before the model would load
     code = main(["generate", "--model", str(tmp_path), "--device", "cuda", "--input-ids", "1,2",
                  "--moe-backend", "deep_gemm"])
     err = capsys.readouterr().err
