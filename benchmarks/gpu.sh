@@ -25,6 +25,8 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              concurrency 1 8 32 128, demo model and V3 slice, the engine alone on the same prompts; cold kernel
              caches first (~4 min on an H200; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
   kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
+  profile    py-spy on the decode worker and the router while pdserve bench drives pdserve up (demo model) at
+             concurrency 32 and 1: where the stack's host time goes (~2 min; needs py-spy in .whl/)
   kv-ipc     one GPU: the cuda_ipc KV-transfer tests, bench_kv_transfer.py --backend cuda_ipc (V3-slice and 61-layer
              KV, 2k and 16k tokens, against a device copy; tcp beside it), then TTFT at concurrency 1 through
              `pdserve up --device cuda` on the V3 slice, cuda_ipc vs tcp, 2k and 16k prompts (~7 min)
@@ -158,6 +160,34 @@ suite_kv() {
   step 280 python3 benchmarks/bench_kv_transfer.py --out "$d/kv_transfer.json" "$@"
 }
 
+suite_profile() {  # profile.log, bench_c<C>.json, decode_c<C>.raw, router_c<C>.raw (py-spy, raw stacks)
+  # Where the stack's host time goes: pdserve up --device cuda (demo model), pdserve bench at concurrency 32 and 1,
+  # py-spy sampling the decode worker and the router (the `up` process) meanwhile; summarized with
+  # benchmarks/pyspy_summary.py. Needs py-spy in .whl/ (pip download --no-deps --only-binary=:all:
+  # --platform manylinux_2_17_x86_64 -d .whl py-spy), installed with the other wheels.
+  local d=$1 port up dec c
+  shift
+  command -v py-spy >/dev/null || export PATH=/tmp/site/bin:$PATH
+  command -v py-spy >/dev/null || { echo "profile needs py-spy (see the comment above suite_profile)"; FAILED=1; return; }
+  port=$((51100 + RANDOM % 1000))
+  python3 -m pdserve up --device cuda --port "$port" --no-http --no-metrics "$@" >"$d/up.log" 2>&1 &
+  up=$!
+  for _ in $(seq 300); do grep -q "pdserve is up" "$d/up.log" && break; sleep 1; done
+  dec=$(pgrep -P "$up" -f "pdserve decode")
+  for c in 32 1; do
+    python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts $((c * 10)) --input-len 512 --output-len 128 \
+      --max-concurrency "$c" --no-progress --json "$d/bench_c$c.json" >"/tmp/profile_bench_c$c.txt" 2>&1 &
+    local b=$!
+    sleep 3
+    py-spy record -p "$dec" -d 8 -r 250 -f raw --threads --nonblocking -o "$d/decode_c$c.raw" >/dev/null 2>&1 &
+    py-spy record -p "$up" -d 8 -r 250 -f raw --threads --nonblocking -o "$d/router_c$c.raw" >/dev/null 2>&1
+    wait "$b"
+    tail -20 "/tmp/profile_bench_c$c.txt"
+    python3 benchmarks/pyspy_summary.py "$d/decode_c$c.raw" --top 25
+  done
+  kill -INT "$up"; wait "$up"
+}
+
 suite_kv_ipc() {  # kv-ipc.log, kv_ipc.json, ttft_<transport>_<len>.json, up_<transport>.log
   local d=$1 t len port model
   shift
@@ -219,7 +249,7 @@ case "$suite" in
     need_gpus 2 kv
     setup_env
     run_suite kv "$@" ;;
-  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving)
+  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | profile)
     need_gpus 1 "$suite"
     setup_env
     run_suite "$suite" "$@" ;;
