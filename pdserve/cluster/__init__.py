@@ -1,0 +1,2 @@
+"""Shared cluster state every tier may use: which prefill worker owns which prefix blocks (`ownership`), and
+where the workers are (`worker_registry`, signed Redis registrations). Torch-free: the router imports it."""
