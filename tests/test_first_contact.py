@@ -445,7 +445,7 @@ def _readme_blocks(lang: str) -> list[str]:
 def test_readme_examples_run_as_written_against_demo_sh(tmp_path):
     """`scripts/demo.sh` (default ports, no flags), then the README's first `pdserve generate --target` lines and its
     OpenAI Python snippet, verbatim."""
-    from pdserve.cli.serve import _port_taken
+    from pdserve.cli.up import _port_taken
 
     busy = [p for p in (50051, 8000, 9100, 9101, 9102) if _port_taken("127.0.0.1", p)]
     if busy:

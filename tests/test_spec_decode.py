@@ -463,7 +463,7 @@ def test_checkpoint_without_mtp_weights_is_refused(tiny_v2_dir):
 
 def test_cli_flags(tiny_v3_dir, capsys):
     from pdserve.cli import build_parser, main
-    from pdserve.cli.serve import engine_flags
+    from pdserve.cli.up import engine_flags
 
     base = ["generate", "--model", str(tiny_v3_dir), "--input-ids", "5,6,7,8,9", "--max-new-tokens", "9", "--json",
             "--device", "cpu", "--attention-backend", "torch", "--moe-backend", "torch"]

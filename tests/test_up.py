@@ -66,7 +66,7 @@ def test_up_serves_and_stops_cleanly(tiny_v3_dir, tmp_path):
 def test_default_model_is_the_committed_trained_model(trained_model_dir):
     """`pdserve up` without --model serves models/tiny-trained from the checkout (whatever the working directory),
     and that checkpoint has the MTP layer NextN drafts with."""
-    from pdserve.cli import serve as serve_cli
+    from pdserve.cli import up as serve_cli
     from pdserve.config import ModelConfig
 
     assert Path(serve_cli.DEFAULT_MODEL_DIR).resolve() == trained_model_dir.resolve()

@@ -12,6 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from pdserve.cli import bench, engine_commands, serve
+from pdserve.cli import up as up_command
 from pdserve.cli.choices import ArgumentParser, LazyChoices
 from pdserve.cli.engine_args import (  # noqa: F401  (the CLI's API: tests and tools build configs with them)
     UsageError, add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args,
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "auto, every worker shares the GPU and KV moves over cuda_ipc, never through the host")
     ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
     serve.add_warmup_args(ug)
-    up.set_defaults(func=serve.cmd_up)
+    up.set_defaults(func=up_command.cmd_up)
 
     hc = sub.add_parser("healthcheck", help="ask a pdserve server for its grpc.health.v1 status (exit 0 = SERVING)",
                         description="Check a router or worker through grpc.health.v1: exit 0 when SERVING, 1 "

@@ -1,0 +1,274 @@
+"""`pdserve up`: router + prefill + decode worker processes on this machine, until interrupted.
+
+Checks every port and the model before any worker starts, starts the workers (each dies with `up` however `up`
+dies), waits until each reports SERVING (after its warm-up), then runs the router in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from pdserve.cli.engine_args import DEFAULT_MODEL_DIR
+from pdserve.cli.serve import _say, run_router
+
+# The random tiny model `up` makes when a checkout lacks the committed demo model (DEFAULT_MODEL_DIR).
+FALLBACK_MODEL_DIR = os.path.join("models", "tiny-deepseek-v3")
+
+
+def _free_port(avoid: frozenset[int] = frozenset()) -> int:
+    """A free port, never one of `avoid` (the fixed ports `up` has yet to bind)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+
+
+def _wait_workers(procs: list[tuple[str, subprocess.Popen]], timeout_s: float, note_every_s: float = 10.0) -> None:
+    """Until every worker ("role:host:port", process) reports SERVING, which it does once its model is loaded and
+    its warm-up has run; one line per worker when it is ready, and who is still starting every note_every_s."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    start = time.monotonic()
+    waiting = dict(procs)
+    # NOTE: a port that opens only after the warm-up: gRPC's default reconnect backoff (1 s growing to 120 s) would
+    # notice it up to a minute late.
+    fast_retry = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 500)]
+    channels = {name: grpc.insecure_channel(name.split(":", 1)[1], fast_retry) for name in waiting}
+    next_note = start + note_every_s
+    try:
+        while waiting:
+            for name, proc in list(waiting.items()):
+                role, address = name.split(":", 1)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{role} worker at {address} exited with status {proc.returncode} while "
+                                       "starting")
+                try:
+                    serving = health_pb2_grpc.HealthStub(channels[name]).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:  # its port opens after the warm-up
+                    serving = False
+                if serving:
+                    del waiting[name]
+                    _say(f"{role} worker {address} ready after {time.monotonic() - start:.1f} s")
+            now = time.monotonic()
+            if waiting and now - start > timeout_s:
+                raise TimeoutError(f"workers {', '.join(n.split(':', 1)[1] for n in waiting)} not ready within "
+                                   f"{timeout_s:.0f} s (--start-timeout)")
+            if waiting and now >= next_note:
+                _say(f"still starting after {now - start:.0f} s: {', '.join(waiting)} (model load, CUDA graphs, "
+                     "then the warm-up: their own lines say which)")
+                next_note += note_every_s
+            if waiting:
+                time.sleep(0.2)
+    finally:
+        for channel in channels.values():
+            channel.close()
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `up`, forwarded to each worker process."""
+    flags = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--load-format",
+             args.load_format, "--attention-backend", args.attention_backend, "--moe-backend", args.moe_backend,
+             "--gemm-backend", args.gemm_backend, "--page-size", str(args.page_size), "--num-pages",
+             str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-running-requests", str(args.max_running_requests)]
+    flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
+    if args.speculative_algorithm:  # prefill workers accept and ignore them: only decode rows speculate
+        flags += ["--speculative-algorithm", args.speculative_algorithm, "--speculative-num-steps",
+                  str(args.speculative_num_steps)]
+        if args.speculative_num_draft_tokens is not None:
+            flags += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
+    return flags + (["--no-prefix-cache"] if args.no_prefix_cache else []) + (
+        ["--disable-cuda-graph"] if args.disable_cuda_graph else []) + (
+        ["--skip-warmup"] if getattr(args, "skip_warmup", False) else [])
+
+
+def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
+    """nccl pairs two GPUs (NCCL refuses two ranks on one device): `up` then puts worker k on cuda:k."""
+    if args.kv_transport != "nccl":
+        return None
+    import torch
+
+    need, have = args.prefill + args.decode, torch.cuda.device_count()
+    if have < need:
+        from pdserve.cli.engine_args import UsageError
+
+        raise UsageError(f"--kv-transport nccl puts each worker on its own GPU: {need} workers need {need} GPUs, "
+                         f"this machine has {have} (use tcp, or fewer workers)")
+    return [f"cuda:{k}" for k in range(need)]
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a worker `up` starts, before it execs: Linux sends it SIGTERM when `up` dies, however it dies (SIGKILL
+    included), so no worker outlives its stack holding ports and memory (Linux only: prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # NOTE: `up` died between the fork and the prctl: no signal will come
+            os._exit(1)
+
+
+def _port_taken(host: str, port: int) -> Optional[str]:
+    """Why `port` cannot be listened on at `host` (None when it can): a bind without SO_REUSEPORT, as our servers
+    now bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to listen on
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def up_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Every fixed port `up` will listen on, by the flag that chose it ("--port", "--http-port", "--metrics-port",
+    "--metrics-port+1" for worker 0, ...); 0 (a free one) is left out."""
+    ports = {"--port": args.port}
+    if not args.no_http:
+        ports["--http-port"] = args.http_port
+    if not args.no_metrics:
+        ports["--metrics-port"] = args.metrics_port
+        if args.metrics_port:
+            for k in range(args.prefill + args.decode):
+                ports[f"--metrics-port+{k + 1}"] = args.metrics_port + 1 + k
+    return {flag: port for flag, port in ports.items() if port}
+
+
+def check_up_ports(args: argparse.Namespace) -> None:
+    """Before any worker starts: each port valid, distinct and free, else a UsageError naming the flag."""
+    from pdserve.cli.engine_args import UsageError
+
+    seen: dict[int, str] = {}
+    for flag, port in up_ports(args).items():
+        if not 0 < port < 65536:
+            raise UsageError(f"{flag}: {port} is not a port number (1-65535, or 0 for a free one)")
+        if port in seen:
+            raise UsageError(f"{seen[port]} and {flag} are both {port}: give each its own port")
+        seen[port] = flag
+        why = _port_taken(args.host, port)
+        if why:
+            worker = " (worker metrics: --metrics-port + 1 + worker index)" if "+" in flag else ""
+            raise UsageError(f"{flag.split('+')[0]}: cannot listen on {args.host}:{port}{worker}: {why} (another "
+                             f"pdserve up, or another program, holds it); pick another with {flag.split('+')[0]}")
+
+
+def _endpoints_table(args: argparse.Namespace, ports: dict, workers: list[tuple[str, str, Optional[int]]]) -> str:
+    host = args.host
+    rows = [("router gRPC (pdserve.v1.Generation, health, reflection)", f"{host}:{ports['grpc']}")]
+    if ports.get("http"):
+        rows.append(("OpenAI HTTP API", f"http://{host}:{ports['http']}/v1"))
+    if ports.get("metrics"):
+        rows.append(("router metrics", f"http://{host}:{ports['metrics']}/metrics"))
+    for name, address, mport in workers:
+        rows.append((f"{name} gRPC", address))
+        if mport:
+            rows.append((f"{name} metrics", f"http://127.0.0.1:{mport}/metrics"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {what:<{width}}  {where}" for what, where in rows)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.cli.engine_args import UsageError, resolve_model_dir
+
+    if args.prefill < 1 or args.decode < 1:
+        raise UsageError("--prefill and --decode must each be at least 1")
+    if args.model is None and not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
+        args.model = FALLBACK_MODEL_DIR
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            from pdserve.tiny_model import make_tiny_model
+
+            _say(f"no --model given and no trained demo model: making a random tiny model in {args.model}")
+            make_tiny_model(args.model)
+    args.model = resolve_model_dir(args.model)  # before any worker starts, as are the ports
+    check_up_ports(args)
+    fixed_ports = frozenset(up_ports(args).values())
+    up_start = time.monotonic()
+    gpus = _gpu_per_worker(args)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    up_pid = os.getpid()
+    worker_metrics: dict[str, Optional[int]] = {}
+    common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout), "--kv-transport",
+                                   args.kv_transport]
+    if args.redis_url:
+        common += ["--redis-url", args.redis_url]
+    try:
+        k = 0
+        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+            for i in range(count):
+                port = _free_port(fixed_ports)
+                cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
+                       f"{role}-{i}", *common] + (["--device", gpus.pop(0)] if gpus else [])
+                name = f"{role}:127.0.0.1:{port}"
+                if not args.no_metrics:
+                    mport = args.metrics_port + 1 + k if args.metrics_port else 0
+                    cmd += ["--metrics-port", str(mport)]
+                    worker_metrics[name] = mport or None
+                k += 1
+                # Own session: a Ctrl-C in the terminal reaches `up` alone, which then stops the workers in order.
+                procs.append((name, subprocess.Popen(cmd, preexec_fn=lambda: _die_with_parent(up_pid),
+                                                       start_new_session=True)))
+        _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ({args.device}); "
+             "each loads the model, then runs its warm-up, then reports ready ...")
+        _wait_workers(procs, args.start_timeout, note_every_s=5.0)
+        workers_ready = time.monotonic() - up_start
+        router_args = argparse.Namespace(
+            host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
+            balance_threshold=args.balance_threshold, metrics_port=None if args.no_metrics else args.metrics_port,
+            http_port=None if args.no_http else args.http_port,
+            prefill=[n.split(":", 1)[1] for n, _ in procs if n.startswith("prefill")],
+            decode=[n.split(":", 1)[1] for n, _ in procs if n.startswith("decode")])
+
+        def n_of_role(name: str) -> int:
+            role = name.split(":")[0]
+            return [n for n, _ in procs if n.startswith(role + ":")].index(name)
+
+        def ready(ports: dict) -> None:
+            workers = [(f"{n.split(':')[0]} worker {n_of_role(n)}", n.split(":", 1)[1], worker_metrics.get(n))
+                       for n, _ in procs]
+            if any(m == 0 for m in worker_metrics.values()):
+                workers = [(w, a, None) for w, a, _ in workers]  # free ports: their own lines above name them
+            try_http = (f"\n  or OpenAI: curl http://{args.host}:{ports['http']}/v1/completions -H 'Content-Type: "
+                        f"application/json' -d '{{\"model\": \"{os.path.basename(args.model)}\", \"prompt\": "
+                        f"\"Hello\", \"max_tokens\": 16}}'" if ports.get("http") else "")
+            _say(f"pdserve is up after {time.monotonic() - up_start:.1f} s (workers ready in {workers_ready:.1f} s):\n"
+                 + _endpoints_table(args, ports, workers)
+                 + f"\nTry:  pdserve generate --target {args.host}:{ports['grpc']} --prompt 'Hello' "
+                 "--max-new-tokens 16" + try_http + "\n(Ctrl-C stops everything)")
+
+        asyncio.run(run_router(router_args, on_ready=ready))
+    except KeyboardInterrupt:  # Ctrl-C before the router took over the signals: a normal stop
+        pass
+    finally:
+        _stop_workers(procs)
+    return 0
+
+
+def _stop_workers(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    """SIGTERM (each drains), then SIGKILL after 10 s; a second Ctrl-C meanwhile does not leave them behind."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for _, proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for _, proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
