@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_moe_gemm import (GLUON_CONTIGUOUS, _random_fp8_experts, _rate, _v3_routed,  # noqa: E402
                                        bench_moe, bench_moe_contiguous, cublas_fp8_tflops)
-from benchmarks.timing import copy_bandwidth, cuda_time  # noqa: E402
+from benchmarks.timing import copy_bandwidth, cuda_time, write_json  # noqa: E402
 from pdserve.kernels.gemm import block_quant  # noqa: E402
 
 # V3 projections (N, K): attention q_a / kv_a / q_b / kv_b / o, the dense MLP (layers 0-2), the shared expert.
@@ -241,10 +240,7 @@ def main() -> None:
     if "linear" not in args.skip:
         result["dense_linear"] = bench_dense_backends(args.linear_m, args.shapes)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

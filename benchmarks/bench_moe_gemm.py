@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.timing import copy_bandwidth, cuda_time  # noqa: E402
+from benchmarks.timing import copy_bandwidth, cuda_time, write_json  # noqa: E402
 from pdserve.kernels.gemm import FP8_DTYPE, block_quant  # noqa: E402
 from pdserve.kernels.moe import RoutingConfig, select_experts  # noqa: E402
 from pdserve.kernels.triton_gemm import scaled_mm_blockwise_available, scaled_mm_weight_scale  # noqa: E402
@@ -324,10 +324,7 @@ def main() -> None:
     if args.gluon:
         result["moe_gluon"] = bench_moe_contiguous(args.moe_tokens, GLUON_CONTIGUOUS)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

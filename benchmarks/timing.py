@@ -1,6 +1,9 @@
-"""Shared GPU timing for the benchmark scripts."""
+"""Shared GPU timing and result writing for the benchmark scripts."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
@@ -26,3 +29,11 @@ def copy_bandwidth(iters: int = 20, nbytes: int = 1 << 30) -> float:
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     return 2 * nbytes / cuda_time(lambda: y.copy_(x), iters, 3)
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write a benchmark's results to `path` (creating its folder) and say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
