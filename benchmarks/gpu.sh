@@ -29,7 +29,8 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              concurrency 32 and 1: where the stack's host time goes (~2 min; needs py-spy in .whl/)
   kv-ipc     one GPU: the cuda_ipc KV-transfer tests, bench_kv_transfer.py --backend cuda_ipc (V3-slice and 61-layer
              KV, 2k and 16k tokens, against a device copy; tcp beside it), then TTFT at concurrency 1 through
-             `pdserve up --device cuda` on the V3 slice, cuda_ipc vs tcp, 2k and 16k prompts (~7 min)
+             `pdserve up --device cuda` on the V3 slice, cuda_ipc vs tcp, layer-wise on and off, 1k/4k/16k
+             prompts, and the engine's prefill time of the same lengths (~9 min)
   all        tests, decode, prefill, mla, moe, spec and serving in turn (longer than one device call's 10 minutes)
 
 Files land in $OUT/SUITE/ (default $OUT=/tmp/pdserve-bench): SUITE.log with everything printed (the GPU and
@@ -188,30 +189,37 @@ suite_profile() {  # profile.log, bench_c<C>.json, decode_c<C>.raw, router_c<C>.
   kill -INT "$up"; wait "$up"
 }
 
-suite_kv_ipc() {  # kv-ipc.log, kv_ipc.json, ttft_<transport>_<len>.json, up_<transport>.log
+suite_kv_ipc() {  # kv-ipc.log, kv_ipc.json, ttft_<transport>_lw<on|off>_<len>.json, up_*.log, engine_prefill.json
   local d=$1 t len port model
   shift
   step 200 python3 -m pytest -v -p no:cacheprovider -rfEs tests/test_gpu_kv_ipc.py
   step 100 python3 benchmarks/bench_kv_transfer.py --backend cuda_ipc --prefill-device cuda:0 --tokens 2048 16384 \
     --layer-sets 5 61 --compare-tcp --iters 10 --warmup 2 --out "$d/kv_ipc.json" "$@"
+  # The engine alone: its prefill time at each length, with the kernels a prefill worker's `auto` picks here.
+  step 150 python3 benchmarks/bench_one_batch.py --out "$d/engine_prefill.json" --layers 4 --batch 1 --ctx 1024 \
+    --prefill 1024 4096 16384 --no-graph --skip-transformers --attention-backend flashinfer --moe-backend deep_gemm \
+    --gemm-backend deep_gemm
   # TTFT at concurrency 1 through the stack (router + prefill + decode on this GPU), V3 slice with dummy FP8
   # weights; no warm-up at start: one request per prompt length first, then 5 measured.
   model=$(python3 -c "from benchmarks.bench_serving import write_v3_config; print(write_v3_config('/tmp/kv-ipc', 4))")
+  # Each transport with layer-wise streaming on, then off (the whole prompt's KV sent after its forward).
   for t in cuda_ipc tcp; do
-    port=$((50100 + RANDOM % 1000))
-    python3 -m pdserve up --model "$model" --load-format dummy --device cuda --kv-transport "$t" --skip-warmup \
-      --port "$port" --http-port $((port + 1)) --metrics-port 0 --num-pages 4096 --max-num-batched-tokens 4096 \
-      >"$d/up_$t.log" 2>&1 &
-    local up=$!
-    for _ in $(seq 120); do grep -q "pdserve is up" "$d/up_$t.log" && break; sleep 1; done
-    for len in 2048 16384; do
-      step 60 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts 1 --input-len "$len" \
-        --output-len 2 --max-concurrency 1 --no-progress >/dev/null
-      step 60 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts 5 --input-len "$len" \
-        --output-len 2 --max-concurrency 1 --no-progress --seed 7 --json "$d/ttft_${t}_$len.json"
+    for lw in on off; do
+      port=$((50100 + RANDOM % 1000))
+      python3 -m pdserve up --model "$model" --load-format dummy --device cuda --kv-transport "$t" --skip-warmup \
+        --port "$port" --no-http --metrics-port 0 --num-pages 4096 --max-num-batched-tokens 4096 --max-model-len 16400 \
+        $([ "$lw" = off ] && echo --no-kv-layerwise) >"$d/up_${t}_lw$lw.log" 2>&1 &
+      local up=$!
+      for _ in $(seq 120); do grep -q "pdserve is up" "$d/up_${t}_lw$lw.log" && break; sleep 1; done
+      for len in 1024 4096 16384; do
+        step 60 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts 1 --input-len "$len" \
+          --output-len 2 --max-concurrency 1 --no-progress >/dev/null
+        step 60 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts 5 --input-len "$len" \
+          --output-len 2 --max-concurrency 1 --no-progress --seed 7 --json "$d/ttft_${t}_lw${lw}_$len.json"
+      done
+      kill -INT "$up"; wait "$up"
+      grep "over cuda_ipc\|over tcp\|KV pair" "$d/up_${t}_lw$lw.log" | head -4
     done
-    kill -INT "$up"; wait "$up"
-    grep "over cuda_ipc\|over tcp\|KV pair" "$d/up_$t.log" | head -4
   done
 }
 

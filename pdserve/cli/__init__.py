@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--kv-transport", default="tcp", choices=LazyChoices(serve.kv_transport_names),
                     help=serve.KV_TRANSPORT_HELP + "; with nccl, worker k runs on cuda:k. With --device cuda and "
                     "auto, every worker shares the GPU and KV moves over cuda_ipc, never through the host")
+    ug.add_argument("--no-kv-layerwise", action="store_true",
+                    help="prefill workers send a prompt's KV after its whole forward instead of layer by layer (to "
+                         "measure what layer-wise streaming saves in TTFT)")
     ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
     serve.add_warmup_args(ug)
     up.set_defaults(func=up_command.cmd_up)

@@ -94,6 +94,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step; longer prompts are prefilled in chunks (default 2048)")
     g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=4096, metavar="N",
+                   help="tokens per request, prompt and output together (default 4096; at most the model's "
+                        "max_position_embeddings, to which a larger value is lowered)")
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
     sg = p.add_argument_group("speculative decoding (decode tier and generate; off by default)")
     sg.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=["NEXTN"],
@@ -132,7 +135,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_num_steps,
                                       args.speculative_num_draft_tokens),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_running_requests=args.max_running_requests,
+                                  max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
                                   enable_prefix_cache=not args.no_prefix_cache),
     )
 

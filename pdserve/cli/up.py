@@ -82,7 +82,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              args.load_format, "--attention-backend", args.attention_backend, "--moe-backend", args.moe_backend,
              "--gemm-backend", args.gemm_backend, "--page-size", str(args.page_size), "--num-pages",
              str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--max-running-requests", str(args.max_running_requests)]
+             "--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len)]
     flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     if args.speculative_algorithm:  # prefill workers accept and ignore them: only decode rows speculate
         flags += ["--speculative-algorithm", args.speculative_algorithm, "--speculative-num-steps",
@@ -213,6 +213,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 port = _free_port(fixed_ports)
                 cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
                        f"{role}-{i}", *common] + (["--device", gpus.pop(0)] if gpus else [])
+                if role == "prefill" and args.no_kv_layerwise:
+                    cmd.append("--no-kv-layerwise")
                 name = f"{role}:127.0.0.1:{port}"
                 if not args.no_metrics:
                     mport = args.metrics_port + 1 + k if args.metrics_port else 0
