@@ -72,3 +72,16 @@ def test_default_model_is_the_committed_trained_model(trained_model_dir):
     assert Path(serve_cli.DEFAULT_MODEL_DIR).resolve() == trained_model_dir.resolve()
     cfg = ModelConfig.from_model_dir(serve_cli.DEFAULT_MODEL_DIR)
     assert cfg.num_nextn_predict_layers == 1 and cfg.model_type == "deepseek_v3"
+
+
+def test_cpu_workers_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    import argparse
+
+    from pdserve.cli.up import worker_env
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    args = argparse.Namespace(device="cpu", prefill=1, decode=3)
+    assert worker_env(args, {"PATH": "/bin"}) == {"PATH": "/bin", "OMP_NUM_THREADS": "2"}
+    assert worker_env(args, {"OMP_NUM_THREADS": "5"})["OMP_NUM_THREADS"] == "5"  # the user's choice wins
+    assert worker_env(argparse.Namespace(device="cpu", prefill=8, decode=8), {})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in worker_env(argparse.Namespace(device="cuda", prefill=1, decode=1), {})

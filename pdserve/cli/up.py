@@ -94,6 +94,16 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         ["--skip-warmup"] if getattr(args, "skip_warmup", False) else [])
 
 
+def worker_env(args: argparse.Namespace, environ) -> dict[str, str]:
+    """The workers' environment. On the CPU each worker gets its share of the cores for torch's thread pool (unless
+    OMP_NUM_THREADS is set): every process sizing its pool to all cores makes them spin against each other (on 2
+    cores a 32-token prefill of the demo model took 50 ms in a worker instead of 13 ms in one process)."""
+    env = dict(environ)
+    if args.device == "cpu" and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (args.prefill + args.decode)))
+    return env
+
+
 def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
     """nccl pairs two GPUs (NCCL refuses two ranks on one device): `up` then puts worker k on cuda:k."""
     if args.kv_transport != "nccl":
@@ -206,6 +216,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                                    args.kv_transport]
     if args.redis_url:
         common += ["--redis-url", args.redis_url]
+    env = worker_env(args, os.environ)
     try:
         k = 0
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
@@ -222,7 +233,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     worker_metrics[name] = mport or None
                 k += 1
                 # Own session: a Ctrl-C in the terminal reaches `up` alone, which then stops the workers in order.
-                procs.append((name, subprocess.Popen(cmd, preexec_fn=lambda: _die_with_parent(up_pid),
+                procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=lambda: _die_with_parent(up_pid),
                                                        start_new_session=True)))
         _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ({args.device}); "
              "each loads the model, then runs its warm-up, then reports ready ...")
