@@ -21,6 +21,9 @@ DeepSeek-V3, dummy rows) and --tokens, ours (begin() to the decode worker's conf
 included) against a plain device copy of the same bytes in this process (`dst.copy_(src)`, the bandwidth ceiling)
 and the same scatter by slot without any transport (`pool[layer].index_copy_`), all measured in this run; plus the
 one-off pairing (connect, handshake, mapping) and, with --compare-tcp, the tcp transport on the V3-slice sizes.
+"page scatter" is the transport's own data path without the transport: the sender's `scatter_pages` (whole pages
+in one kernel, a partial last page by itself, one copy when the pages are one run) on every layer, the device time
+of what the writer thread queues; "ours (device) / copy" compares it with the device copy.
 
     python benchmarks/bench_kv_transfer.py --backend cuda_ipc --prefill-device cuda:0 --tokens 2048 16384 \
         --out /tmp/kv_ipc.json --compare-tcp      # bash benchmarks/gpu.sh kv-ipc
@@ -48,6 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdserve.kv_transfer import TRANSPORTS, KVLayout, token_slots  # noqa: E402
+from pdserve.kv_transfer.cuda_ipc_sender import plan_pages, scatter_pages  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -309,6 +313,46 @@ def device_times(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def measure_ceilings(args, case: dict, rows: torch.Tensor, device: torch.device) -> None:
+    """Add to `case` (and print) the device copy, the scatter by slot and the page scatter of its bytes; the
+    buffers go when this returns, before the next case allocates its own."""
+    layers, tokens = case["layers"], case["tokens"]
+    src = rows[:layers, :tokens].contiguous()  # (layers, tokens, kv_dim)
+    dst = torch.empty_like(src)
+    copy_s = device_times(lambda: dst.copy_(src), args.warmup, args.iters)
+    pool = torch.empty(layers, (num_pages(args) + 1) * args.page_size, args.kv_dim, dtype=src.dtype, device=device)
+    pages = list(range(-(-tokens // args.page_size)))
+    if case["page_order"] == "shuffled":
+        random.Random(tokens).shuffle(pages)  # the pages run_ours sent to
+    slots = token_slots(pages, tokens, args.page_size, device=device)
+
+    def scatter():
+        for layer in range(layers):
+            pool[layer].index_copy_(0, slots, src[layer])
+
+    scatter_s = device_times(scatter, args.warmup, args.iters)
+    plan = plan_pages(pages, tokens, args.page_size, device)  # once per room, as the sender makes it
+
+    def page_scatter():  # exactly what the cuda_ipc sender queues for each layer
+        for layer in range(layers):
+            scatter_pages(pool[layer], src[layer], plan)
+
+    page_s = device_times(page_scatter, args.warmup, args.iters)
+    case["device_copy"] = {"seconds": copy_s, "GB_per_s": case["bytes"] / copy_s / 1e9}
+    case["scatter_only"] = {"seconds": scatter_s, "GB_per_s": case["bytes"] / scatter_s / 1e9}
+    case["page_scatter"] = {"seconds": page_s, "GB_per_s": case["bytes"] / page_s / 1e9,
+                            "ops_per_layer": len(plan.runs) if plan.full_pages is None else 1 + (plan.tail is not None)}
+    case["ours_over_device_copy"] = case["ours"]["GB_per_s"] / case["device_copy"]["GB_per_s"]
+    case["page_scatter_over_device_copy"] = case["page_scatter"]["GB_per_s"] / case["device_copy"]["GB_per_s"]
+    print(f"{case['backend']:8s} {layers:3d} layers {tokens:6d} tokens {case['page_order']:10s} "
+          f"{case['bytes'] / 2**20:8.1f} MiB: ours {case['ours']['seconds'] * 1e3:8.3f} ms "
+          f"{case['ours']['GB_per_s']:7.1f} GB/s | device copy {copy_s * 1e3:7.3f} ms "
+          f"{case['device_copy']['GB_per_s']:7.1f} GB/s | scatter alone {scatter_s * 1e3:7.3f} ms | "
+          f"page scatter {page_s * 1e3:7.3f} ms {case['page_scatter']['GB_per_s']:7.1f} GB/s | "
+          f"ours / copy {case['ours_over_device_copy']:.2f} | "
+          f"ours (device) / copy {case['page_scatter_over_device_copy']:.2f}", flush=True)
+
+
 def same_gpu_main(args) -> None:
     """--backend cuda_ipc (and tcp): both sides on one GPU; see the module docstring."""
     device = torch.device(args.prefill_device)
@@ -357,32 +401,8 @@ def same_gpu_main(args) -> None:
         finally:
             child.proc.stdin.close()
             child.proc.wait(timeout=60)
-    # The ceilings, in this process on the same GPU, same bytes.
-    for case in result["cases"]:
-        layers, tokens = case["layers"], case["tokens"]
-        src = rows[:layers, :tokens].contiguous()
-        dst = torch.empty_like(src)
-        copy_s = device_times(lambda: dst.copy_(src), args.warmup, args.iters)
-        pool = torch.empty(layers, (num_pages(args) + 1) * args.page_size, args.kv_dim, dtype=src.dtype, device=device)
-        pages = list(range(-(-tokens // args.page_size)))
-        if case["page_order"] == "shuffled":
-            random.Random(tokens).shuffle(pages)
-        slots = token_slots(pages, tokens, args.page_size, device=device)
-
-        def scatter():
-            for layer in range(layers):
-                pool[layer].index_copy_(0, slots, src[layer])
-
-        scatter_s = device_times(scatter, args.warmup, args.iters)
-        case["device_copy"] = {"seconds": copy_s, "GB_per_s": case["bytes"] / copy_s / 1e9}
-        case["scatter_only"] = {"seconds": scatter_s, "GB_per_s": case["bytes"] / scatter_s / 1e9}
-        case["ours_over_device_copy"] = case["ours"]["GB_per_s"] / case["device_copy"]["GB_per_s"]
-        del pool, dst, src
-        print(f"{case['backend']:8s} {layers:3d} layers {tokens:6d} tokens {case['page_order']:10s} "
-              f"{case['bytes'] / 2**20:8.1f} MiB: ours {case['ours']['seconds'] * 1e3:8.3f} ms "
-              f"{case['ours']['GB_per_s']:7.1f} GB/s | device copy {copy_s * 1e3:7.3f} ms "
-              f"{case['device_copy']['GB_per_s']:7.1f} GB/s | scatter alone {scatter_s * 1e3:7.3f} ms | "
-              f"ours / copy {case['ours_over_device_copy']:.2f}", flush=True)
+    for case in result["cases"]:  # the ceilings, in this process on the same GPU, same bytes
+        measure_ceilings(args, case, rows, device)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

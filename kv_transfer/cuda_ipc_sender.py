@@ -4,9 +4,10 @@ cuda_ipc, the decode pool mapped into this process, into whose reserved pages th
 Ordering. `send_rows` gathers the layer's rows on the caller's stream (the forward that wrote them is before it)
 and records an event. The connection's writer thread, in queue order: waits for the room's GRANT, checks the token
 count against it, queues the copy into the mapped pool on the connection's side stream behind that event (one
-scatter by slot, or one copy when the pages are one run), then writes the LAYER announcement. The prefill engine's
-thread never waits for the GPU. The AUX frame and an ABORT are built by the writer only after it synchronised the
-room's last copy, so each tells the decode worker that nothing of the room is still being written.
+scatter by page plus one copy for a partial last page, or one copy when the pages are one run: `scatter_pages`),
+then writes the LAYER announcement. The prefill engine's thread never waits for the GPU. The AUX frame and an ABORT
+are built by the writer only after it synchronised the room's last copy, so each tells the decode worker that
+nothing of the room is still being written.
 
 Bounds. Every destination page is checked against the mapped pool's size at `begin`; rows are only written after
 the decode worker granted the room (it checked the pages against its reservation) and only as many as it granted.
@@ -18,17 +19,91 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from .base import KVLayout, KVTransferError, TransferState, gather_rows, page_runs, token_slots
+from .base import KVLayout, KVTransferError, TransferState, gather_rows, page_runs
 from .cuda_ipc_pairing import AUTO, IPC, TCP, IpcBackend, check_export, pool_slots
 from .cuda_ipc_receiver import BEGIN, GRANT
 from .tcp_sender import TcpKVSender, TcpSendHandle, _Connection
 from .wire import ABORT, AUX, LAYER, ProtocolError
 
 logger = logging.getLogger(__name__)
+
+# 16-, 8- and 4-byte elements: index_copy_'s CUDA kernel moves one element per thread step (the kernel is picked by
+# element size only), so the same bytes as wider elements take fewer steps.
+_WORDS = (torch.complex128, torch.int64, torch.int32)
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """Where a room's rows go in the pool, worked out once per room (every layer goes to the same slots).
+
+    Position p of the room lands in slot `pages[p // page_size] * page_size + p % page_size` of the pool's layer
+    (`token_slots`): the pool has no offset, page k is slots `[k * page_size, (k + 1) * page_size)`; the decode
+    pool's spare page after its allocator's (`LatentKVPool.scratch_page`) is one more such page."""
+
+    page_size: int
+    num_tokens: int
+    runs: tuple[tuple[int, int, int], ...]  # `page_runs`: (first row, first slot, rows), contiguous on both sides
+    full_pages: Optional[torch.Tensor]  # (num_tokens // page_size,) long on the pool's device; None: copy by runs
+    tail: Optional[tuple[int, int, int]]  # (first row, first slot, rows) of a partial last page, with full_pages
+
+
+def plan_pages(pages: Sequence[int], num_tokens: int, page_size: int,
+               device: torch.device | str | None = None) -> PagePlan:
+    """The plan for `num_tokens` rows into `pages` (checked against the pool by the caller). `device`: the pool's,
+    where the page indices are put when the pages are more than one run; None where the rows are copied by runs
+    anyway (across GPUs: a peer copy per run)."""
+    runs = tuple(page_runs(range(-(-num_tokens // page_size)), pages, num_tokens, page_size))
+    if device is None or len(runs) <= 1:
+        return PagePlan(page_size, num_tokens, runs, None, None)
+    full, rest = divmod(num_tokens, page_size)
+    # Non-blocking from pageable memory: the source is staged before the call returns, so it may go right after.
+    index = torch.tensor(list(pages[:full]), dtype=torch.long).to(device, non_blocking=True)  # (full,)
+    tail = (full * page_size, pages[full] * page_size, rest) if rest else None
+    return PagePlan(page_size, num_tokens, runs, index, tail)
+
+
+def scatter_pages(layer_kv: torch.Tensor, rows: torch.Tensor, plan: PagePlan) -> None:
+    """Write `rows: (num_tokens, kv_dim)` into `layer_kv: (slots, kv_dim)` (one layer of the pool) where `plan`
+    says; the result equals `layer_kv.index_copy_(0, token_slots(pages, num_tokens, page_size), rows)`. Queued on
+    the current stream; both tensors contiguous."""
+    if rows.shape[0] != plan.num_tokens or rows.dtype != layer_kv.dtype or rows.shape[1:] != layer_kv.shape[1:]:
+        raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype} for a plan of {plan.num_tokens} tokens into a "
+                         f"pool layer {tuple(layer_kv.shape)} {layer_kv.dtype}")
+    if plan.full_pages is None or rows.device != layer_kv.device:
+        # One run is one copy; across GPUs each run is a peer copy (one per run, no scatter kernel there).
+        for src, dst, count in plan.runs:
+            layer_kv[dst:dst + count].copy_(rows[src:src + count], non_blocking=True)
+        return
+    ps, kv_dim = plan.page_size, layer_kv.shape[1]
+    full = plan.full_pages.numel()
+    if full:
+        # NOTE: one kernel moving whole pages (ps * kv_dim values each) instead of one row index per token:
+        # per-token rows of a few hundred bytes ran the scatter at under a third of the copy bandwidth.
+        pool_pages = layer_kv[:layer_kv.shape[0] // ps * ps].view(-1, ps * kv_dim)  # (num_pages, ps * kv_dim)
+        src = rows[:full * ps].view(full, ps * kv_dim)  # (full, ps * kv_dim)
+        word = _widest_word(pool_pages, src)
+        if word is not None:
+            pool_pages, src = pool_pages.view(word), src.view(word)
+        pool_pages.index_copy_(0, plan.full_pages, src)
+    if plan.tail is not None:
+        first_row, first_slot, count = plan.tail
+        layer_kv[first_slot:first_slot + count].copy_(rows[first_row:first_row + count])
+
+
+def _widest_word(*tensors: torch.Tensor) -> Optional[torch.dtype]:
+    """The widest of `_WORDS` that every tensor's rows can be viewed as (size and alignment), None for none."""
+    for word in _WORDS:
+        size = word.itemsize
+        if size > tensors[0].element_size() and all(
+                t.shape[-1] * t.element_size() % size == 0 and t.storage_offset() * t.element_size() % size == 0
+                and t.data_ptr() % size == 0 for t in tensors):
+            return word
+    return None
 
 
 class _IpcConnection(_Connection):
@@ -73,11 +148,13 @@ class IpcSendHandle(TcpSendHandle):
                  dst_pages: Sequence[int]):
         super().__init__(conn, room, num_layers, layout, timeout_s)
         pages = list(dst_pages)
-        pool_slots(conn.remote.shape, pages, layout.page_size)  # raises ValueError for a page outside the pool
+        # NOTE: raises ValueError for a page outside the pool. Nothing later checks on the host: an index past the
+        # pool in scatter_pages' index_copy_ is a device-side assert, which ends this process's CUDA context.
+        pool_slots(conn.remote.shape, pages, layout.page_size)
         self._dst_pages = pages
         self._granted = threading.Event()
         self._grant_tokens: Optional[int] = None
-        self._dst_slots: Optional[torch.Tensor] = None  # on the pool's device, made at the first copy
+        self._plan: Optional[PagePlan] = None  # where the rows go, made at the first copy
         self._last_copy: Any = None  # CUDA event after the room's last queued copy
 
     # ---- the caller's thread ----
@@ -149,16 +226,15 @@ class IpcSendHandle(TcpSendHandle):
             self._fail("protocol", f"room {self.room}: prefill has {n} tokens, the decode worker reserved "
                                    f"{self._grant_tokens}")
             return False
-        remote, ps = self._conn.remote, self.layout.page_size
-        runs = page_runs(range(-(-n // ps)), self._dst_pages, n, ps)
-        stream = self._conn.stream
+        remote, stream = self._conn.remote, self._conn.stream
         try:
             if stream is None:  # a CPU pool (the CPU tests' fake mapping): the same arithmetic, synchronous
-                self._copy(remote, layer, rows, runs)
+                scatter_pages(remote[layer], rows, self._plan_for(remote, rows))
                 return self._counted(rows)
             with torch.cuda.device(rows.device), torch.cuda.stream(stream):
+                plan = self._plan_for(remote, rows)  # its index is made on (and only used on) this stream
                 stream.wait_event(ready)
-                self._copy(remote, layer, rows, runs)
+                scatter_pages(remote[layer], rows, plan)
                 done = torch.cuda.Event()
                 done.record(stream)
             rows.record_stream(stream)  # the allocator must not hand its memory out before the copy read it
@@ -169,16 +245,14 @@ class IpcSendHandle(TcpSendHandle):
             return False
         return self._counted(rows)
 
-    def _copy(self, remote: torch.Tensor, layer: int, rows: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
-        if len(runs) == 1 or rows.device != remote.device:
-            # One run is one copy; across GPUs each run is a peer copy (one per run, no scatter kernel there).
-            for src, dst, count in runs:
-                remote[layer, dst:dst + count].copy_(rows[src:src + count], non_blocking=True)
-            return
-        if self._dst_slots is None:
-            self._dst_slots = token_slots(self._dst_pages, rows.shape[0], self.layout.page_size).to(
-                remote.device, non_blocking=True)
-        remote[layer].index_copy_(0, self._dst_slots, rows)  # one scatter kernel for the whole layer
+    def _plan_for(self, remote: torch.Tensor, rows: torch.Tensor) -> PagePlan:
+        # Once per room, at its first layer (every layer has the granted count, checked above): page_runs is a
+        # Python loop over the pages, too slow to repeat for every layer on the writer thread.
+        if self._plan is None:
+            same_device = rows.device == remote.device
+            self._plan = plan_pages(self._dst_pages, rows.shape[0], self.layout.page_size,
+                                    remote.device if same_device else None)
+        return self._plan
 
     def _counted(self, rows: torch.Tensor) -> bool:
         self._bytes += rows.numel() * rows.element_size()

@@ -20,6 +20,7 @@ from pdserve.kv_transfer import (
 from pdserve.kv_transfer.cuda_ipc_pairing import (
     Facts, IpcBackend, check_export, choose_transport, expandable_segments_on, pool_slots,
 )
+from pdserve.kv_transfer.cuda_ipc_sender import _widest_word, plan_pages, scatter_pages
 
 from test_kv_transfer_collective import AUX, NUM_PAGES, Decode
 from test_kv_transfer_tcp import KV_DIM, LAYERS, PAGE, TOKENS, Recorder, make_layout
@@ -130,6 +131,71 @@ def test_handle_fields_and_pages_from_the_peer_are_checked():
     for bad in ([NUM_PAGES], [-1], [True], [2.0]):
         with pytest.raises(ValueError, match="outside the decode pool"):
             pool_slots((LAYERS, NUM_PAGES * PAGE, KV_DIM), [3, *bad], PAGE)
+
+
+# ---- the page scatter the sender writes with (CPU tensors; the same code runs on the GPU) -------------------------
+
+def random_bits(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Every bit pattern of `dtype` equally likely (NaNs with payloads, infinities, subnormals included)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    info = torch.iinfo(ints)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(info.min, info.max, shape, dtype=ints, generator=gen).view(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype, page_size, kv_dim, word", [
+    (torch.bfloat16, 4, 576, torch.complex128),  # DeepSeek-V3's latent width: pages move as 16-byte words
+    (torch.float16, 16, 12, torch.complex128),
+    (torch.bfloat16, 2, 6, torch.int64),  # 24-byte pages
+    (torch.bfloat16, 3, 2, torch.int32),  # 12-byte pages
+    (torch.bfloat16, 3, 5, None),  # 30-byte pages: no wider word fits, moved as they are
+    (torch.float32, 3, 5, None),  # 60-byte pages
+])
+@pytest.mark.parametrize("case", ["shuffled", "shuffled_partial_last", "contiguous", "contiguous_partial_last",
+                                  "one_partial_page", "one_full_page", "last_pool_page", "two_runs"])
+def test_scatter_pages_lands_rows_exactly_where_token_slots_says(dtype, page_size, kv_dim, word, case):
+    num_pages = 12
+    pages, n = {
+        "shuffled": ([9, 2, 5, 6, 0, 11, 3], 7 * page_size),  # n a multiple of page_size
+        "shuffled_partial_last": ([9, 2, 5, 6, 0, 11, 3], 6 * page_size + 1),
+        "contiguous": ([3, 4, 5, 6], 4 * page_size),  # one run: one copy
+        "contiguous_partial_last": ([3, 4, 5, 6], 3 * page_size + page_size - 1),
+        "one_partial_page": ([7], page_size - 1 if page_size > 1 else 1),
+        "one_full_page": ([7], page_size),
+        "last_pool_page": ([num_pages - 1, 0], page_size + 2),  # the pool's last page, then a partial one
+        "two_runs": ([2, 3, 4, 8, 9], 5 * page_size - 1),
+    }[case]
+    pool = random_bits((2, num_pages * page_size, kv_dim), dtype, seed=1)  # (layers, slots, kv_dim), poisoned
+    want = pool.clone()
+    rows = random_bits((n, kv_dim), dtype, seed=2)  # (n, kv_dim)
+    assert _widest_word(pool[1].view(-1, page_size * kv_dim)) == word  # what the pages move as
+    want[1].index_copy_(0, token_slots(pages, n, page_size), rows)  # the reference: one row per slot
+    pool_slots(pool.shape, pages, page_size)  # pages the sender would accept
+    for device in ("cpu", None):  # None: copied by runs, as across GPUs
+        got = pool.clone()
+        plan = plan_pages(pages, n, page_size, device)
+        scatter_pages(got[1], rows, plan)
+        assert torch.equal(bits(got), bits(want)), f"{case}: rows differ or landed outside the room's slots"
+    if len(plan.runs) > 1:  # with a device: whole pages in one scatter, a partial last page by itself
+        plan = plan_pages(pages, n, page_size, "cpu")
+        assert plan.full_pages.tolist() == pages[:n // page_size]
+        assert (plan.tail is None) == (n % page_size == 0)
+    else:
+        assert plan_pages(pages, n, page_size, "cpu").full_pages is None
+
+
+def test_scatter_pages_refuses_rows_that_do_not_match_the_plan():
+    pool = torch.zeros(4 * PAGE, KV_DIM)
+    plan = plan_pages([3, 1], PAGE + 1, PAGE, "cpu")
+    for rows in (torch.zeros(PAGE, KV_DIM), torch.zeros(PAGE + 1, KV_DIM, dtype=torch.float64),
+                 torch.zeros(PAGE + 1, KV_DIM + 1)):
+        with pytest.raises(ValueError, match="for a plan of"):
+            scatter_pages(pool, rows, plan)
+    assert not pool.any()
 
 
 # ---- the protocol over real sockets, fake mapping ----------------------------------------------------------------
