@@ -207,15 +207,18 @@ suite_kv_ipc() {  # kv-ipc.log, kv_ipc.json, ttft_<transport>_lw<on|off>_<len>.j
     for lw in on off; do
       port=$((50100 + RANDOM % 1000))
       python3 -m pdserve up --model "$model" --load-format dummy --device cuda --kv-transport "$t" --skip-warmup \
-        --port "$port" --no-http --metrics-port 0 --num-pages 4096 --max-num-batched-tokens 4096 --max-model-len 16400 \
+        --port "$port" --no-http --metrics-port 0 --num-pages 4096 --max-num-batched-tokens 16384 --max-model-len 16400 \
         $([ "$lw" = off ] && echo --no-kv-layerwise) >"$d/up_${t}_lw$lw.log" 2>&1 &
       local up=$!
       for _ in $(seq 120); do grep -q "pdserve is up" "$d/up_${t}_lw$lw.log" && break; sleep 1; done
       for len in 1024 4096 16384; do
         step 60 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts 1 --input-len "$len" \
           --output-len 2 --max-concurrency 1 --no-progress >/dev/null
+        python3 benchmarks/stage_times.py "$d/up_${t}_lw$lw.log" --save /tmp/stages.json
         step 60 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts 5 --input-len "$len" \
           --output-len 2 --max-concurrency 1 --no-progress --seed 7 --json "$d/ttft_${t}_lw${lw}_$len.json"
+        echo "stages of TTFT, $t, layer-wise $lw, $len tokens:"
+        python3 benchmarks/stage_times.py "$d/up_${t}_lw$lw.log" --since /tmp/stages.json
       done
       kill -INT "$up"; wait "$up"
       grep "over cuda_ipc\|over tcp\|KV pair" "$d/up_${t}_lw$lw.log" | head -4

@@ -53,3 +53,19 @@ def test_bench_all_at_once_with_a_concurrency_cap_reports_errors_by_status(stack
                         "--no-progress")
     assert r["completed"] == 0 and r["errors_by_status"] == {"INVALID_ARGUMENT": 3}
     assert "context" in r["error_examples"]["INVALID_ARGUMENT"] and "Errors INVALID_ARGUMENT" in table
+
+
+def test_stage_times_reads_the_ports_up_printed_and_means_over_an_interval(tmp_path):
+    from benchmarks.stage_times import interval_means, metrics_ports
+
+    log = tmp_path / "up.log"
+    log.write_text("[pdserve] prefill worker p serving on 127.0.0.1:1, metrics on :9101 (ready in 1 s)\n"
+                   "  router metrics                     http://127.0.0.1:9100/metrics\n")
+    assert metrics_ports(str(log)) == [9100, 9101]
+    before = {'pdserve_kv_transfer_seconds_sum{role="prefill"}': 1.0,
+              'pdserve_kv_transfer_seconds_count{role="prefill"}': 4.0}
+    after = {'pdserve_kv_transfer_seconds_sum{role="prefill"}': 1.5,
+             'pdserve_kv_transfer_seconds_count{role="prefill"}': 9.0,
+             'pdserve_time_to_first_token_seconds_sum{role="router"}': 0.0,
+             'pdserve_time_to_first_token_seconds_count{role="router"}': 0.0}
+    assert interval_means(before, after) == {'pdserve_kv_transfer_seconds{role="prefill"}': (0.1, 5)}
