@@ -199,6 +199,8 @@ suite_kv_ipc() {  # kv-ipc.log, kv_ipc.json, ttft_<transport>_lw<on|off>_<len>.j
   step 150 python3 benchmarks/bench_one_batch.py --out "$d/engine_prefill.json" --layers 4 --batch 1 --ctx 1024 \
     --prefill 1024 4096 16384 --no-graph --skip-transformers --attention-backend flashinfer --moe-backend deep_gemm \
     --gemm-backend deep_gemm
+  # What the prefill worker's step costs beyond the engine's prefill (MTP layer KV, hooks, gathers), in-process.
+  step 150 python3 benchmarks/bench_prefill_stages.py --out "$d" --lengths 1024 4096 16384 --profile
   # TTFT at concurrency 1 through the stack (router + prefill + decode on this GPU), V3 slice with dummy FP8
   # weights; no warm-up at start: one request per prompt length first, then 5 measured.
   model=$(python3 -c "from benchmarks.bench_serving import write_v3_config; print(write_v3_config('/tmp/kv-ipc', 4))")

@@ -69,3 +69,14 @@ def test_stage_times_reads_the_ports_up_printed_and_means_over_an_interval(tmp_p
              'pdserve_time_to_first_token_seconds_sum{role="router"}': 0.0,
              'pdserve_time_to_first_token_seconds_count{role="router"}': 0.0}
     assert interval_means(before, after) == {'pdserve_kv_transfer_seconds{role="prefill"}': (0.1, 5)}
+
+
+def test_bench_prefill_stages_runs_on_the_cpu(tmp_path, trained_model_dir):
+    import json
+
+    from benchmarks.bench_prefill_stages import main
+
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--model", str(trained_model_dir), "--lengths", "16",
+                 "--iters", "1"]) == 0
+    (row,) = json.loads((tmp_path / "prefill_stages.json").read_text())["rows"]
+    assert row["prompt_tokens"] == 16 and all(row[k] > 0 for k in ("engine_ms", "mtp_kv_ms", "worker_ms"))
