@@ -86,7 +86,8 @@ class ModelRunner:
         if not batch_chunks:
             return
         batch, _ = self.extend_batch(batch_chunks, shift=1)
-        self.model.mtp_forward(batch, extend_hidden[torch.cat(rows).to(extend_hidden.device)], self.pool.kv)
+        self.model.mtp_forward(batch, extend_hidden[torch.cat(rows).to(extend_hidden.device)], self.pool.kv,
+                               logits=False)  # only its KV is kept
 
     def mtp_decode(self, reqs: list[Request], next_tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """One MTP step at each request's last position with its newly sampled token; returns draft logits."""

@@ -69,7 +69,12 @@ def test_mtp_draft_matches_reference(tiny_v3_dir):
     draft = ForwardBatch(ForwardMode.EXTEND, torch.tensor(tokens[1:m + 1]), torch.arange(m),
                          pool.slots_for(pages, 0, m), pool.page_size, qo_indptr=[0, m], prefix_lens=[0],
                          page_tables=[pages])
-    logits_extend, _ = model.mtp_forward(draft, hidden[:m], pool.kv)
+    kv_before = pool.kv.clone()
+    none, h_kv_only = model.mtp_forward(draft, hidden[:m], pool.kv, logits=False)  # a prompt's MTP KV alone
+    kv_only = pool.kv.clone()
+    pool.kv.copy_(kv_before)
+    logits_extend, h_extend = model.mtp_forward(draft, hidden[:m], pool.kv)
+    assert none is None and torch.equal(h_kv_only, h_extend) and torch.equal(kv_only, pool.kv)
     step = ForwardBatch(ForwardMode.DECODE, torch.tensor([tokens[m + 1]]), torch.tensor([m]),
                         pool.slots_for(pages, m, m + 1), pool.page_size, page_table=pool.page_table_tensor([pages]),
                         seq_lens=torch.tensor([m + 1]))
