@@ -1,5 +1,5 @@
 """The service against the engine, in one run: `pdserve up` (router + 1 prefill + 1 decode process on one device,
-TCP KV transfer) driven by `pdserve bench`, then the engine alone (`LLMEngine` in a process of its own, no gRPC) on
+its default KV transport: auto, i.e. cuda_ipc on one GPU, tcp on the CPU) driven by `pdserve bench`, then the engine alone (`LLMEngine` in a process of its own, no gRPC) on
 the same prompts and batch sizes; one table of stack / engine ratios.
 
     python benchmarks/bench_serving.py --out DIR [--models demo v3] [--concurrency 1 8 32 128] [--cold]

@@ -224,3 +224,11 @@ def test_help(args, flags):
     assert proc.returncode == 0, proc.stderr
     for flag in flags:
         assert flag in proc.stdout, flag
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode", "up"])
+def test_the_kv_transport_defaults_to_auto(command):
+    """auto: cuda_ipc between workers that can map each other's pool (one host, GPUs), tcp otherwise."""
+    from pdserve.cli import build_parser
+
+    assert build_parser().parse_args([command]).kv_transport == "auto"

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "/health, /metrics; default 8000)")
     ug.add_argument("--no-http", action="store_true", help="serve no OpenAI HTTP API (gRPC only)")
     ug.add_argument("--transfer-timeout", type=float, default=300.0)
-    ug.add_argument("--kv-transport", default="tcp", choices=LazyChoices(serve.kv_transport_names),
+    ug.add_argument("--kv-transport", default="auto", choices=LazyChoices(serve.kv_transport_names),
                     help=serve.KV_TRANSPORT_HELP + "; with nccl, worker k runs on cuda:k. With --device cuda and "
                     "auto, every worker shares the GPU and KV moves over cuda_ipc, never through the host")
     ug.add_argument("--no-kv-layerwise", action="store_true",

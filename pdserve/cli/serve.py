@@ -29,7 +29,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one, printed at start)")
     g.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
     g.add_argument("--worker-id", default=None, help="stable id (default: role-hostname-pid-random)")
-    g.add_argument("--kv-transport", default="tcp", choices=LazyChoices(kv_transport_names),
+    g.add_argument("--kv-transport", default="auto", choices=LazyChoices(kv_transport_names),
                    help=KV_TRANSPORT_HELP)
     g.add_argument("--transfer-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a KV transfer may take before the request fails (default 300)")
@@ -60,10 +60,10 @@ def add_warmup_args(g) -> None:
 
 
 KV_TRANSPORT_HELP = (
-    "how KV moves from prefill to decode: tcp (default): through the host, any device; auto picks cuda_ipc when "
-    "the two workers are on one host and the prefill GPU can write to the decode pool's GPU (the same GPU, or peer "
-    "access), else tcp (NOTE: cuda_ipc has not run on a GPU yet, so it is not the default); the choice is "
-    "logged when a pair first connects and is the `transport` label of pdserve_kv_transfer_*. cuda_ipc: the prefill "
+    "how KV moves from prefill to decode: auto (default): cuda_ipc when the two workers are on one host and the "
+    "prefill GPU can write to the decode pool's GPU (the same GPU, or peer access), else tcp; the choice is "
+    "logged when a pair first connects and is the `transport` label of pdserve_kv_transfer_*. tcp: through the "
+    "host, any device. cuda_ipc: the prefill "
     "worker writes into the decode pool over CUDA IPC (same host, refused otherwise); "
     "nccl: GPU to GPU over NCCL, two different GPUs (never picked by auto); gloo: CPU pools. Both tiers "
     "take the same value, or auto on either side of tcp or cuda_ipc")
