@@ -17,9 +17,9 @@ PROMPTS = ["The router sends each request to a prefill worker",
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-def reference_outputs(model_dir) -> tuple[dict, LLMEngine]:
+def reference_outputs(model_dir, dtype: str = "auto") -> tuple[dict, LLMEngine]:
     """({prompt index: RequestOutput}, the engine) of the single-process engine on the CPU."""
-    engine = LLMEngine(EngineConfig(str(model_dir), cache=CacheConfig(page_size=4, num_pages=512)))
+    engine = LLMEngine(EngineConfig(str(model_dir), dtype=dtype, cache=CacheConfig(page_size=4, num_pages=512)))
     return {i: engine.generate([p], GREEDY)[0] for i, p in enumerate(PROMPTS)}, engine
 
 

@@ -311,16 +311,21 @@ def test_many_pairings_leak_no_mappings_or_memory(cleanup, prefill):
     assert decode.idle and decode.receiver.num_pending == 0
 
 
-def test_outputs_match_the_single_process_engine(tiny_v3_dir, tmp_path, reference):
+@pytest.mark.parametrize("model", ["tiny_v3_dir", "trained_model_dir"])  # a random V3 layout; the demo model
+def test_outputs_match_the_single_process_engine(model, tmp_path, request):
     """Prefill and decode on one GPU, KV over cuda_ipc (picked by auto): the single-process engine's greedy tokens
     (the CPU reference: GPU fp32 with these backends equals it, tests/test_gpu_engine.py)."""
-    common = ["--model", str(tiny_v3_dir), "--page-size", "4", "--num-pages", "512", "--kv-transport", "auto",
+    from golden import reference_outputs
+
+    model_dir = request.getfixturevalue(model)
+    reference = reference_outputs(model_dir, dtype="float32")  # the stack below runs in fp32 too
+    common = ["--model", str(model_dir), "--page-size", "4", "--num-pages", "512", "--kv-transport", "auto",
               "--dtype", "float32", "--attention-backend", "torch", "--moe-backend", "torch", "--device", DEVICE]
     prefill_proc, decode_proc = start_all([
         ("prefill", [*common, "--worker-id", "prefill-0"], "prefill-0"),
         ("decode", [*common, "--worker-id", "decode-0"], "decode-0"),
     ], tmp_path, timeout_s=180)
-    router = start("router", ["--model", str(tiny_v3_dir), "--prefill", prefill_proc.address, "--decode",
+    router = start("router", ["--model", str(model_dir), "--prefill", prefill_proc.address, "--decode",
                               decode_proc.address], tmp_path, "router")
     stack = Stack([prefill_proc], [decode_proc], router)
     try:
