@@ -4,7 +4,8 @@
   + mtp kv      the same with the MTP layer's prompt KV (StepHooks.computes_mtp_kv) and the MTP step at the last
                 position once the first token is known: what a prefill worker computes for a decode tier that can
                 speculate
-  worker        the prefill worker's own engine (PrefillEngine) with a transport that gathers each layer's rows as
+  worker        the prefill worker's own engine (PrefillEngine, no --speculative-algorithm: for a decode tier that
+                does not speculate, so the main layers only) with a transport that gathers each layer's rows as
                 every real one does and drops them: everything but the wire
 
 Each: median wall time of --iters steps after one warm-up step per length (a step ends with the sampled token on
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
 
     def submit_worker(prompt):
         pages = list(range(-(-len(prompt) // engine.pool.page_size)))  # the decode side's pages: never written
-        worker.add(PrefillJob(f"w{next(ids)}", prompt, greedy, pages), GatherOnly())
+        worker.add(PrefillJob(f"w{next(ids)}", prompt, greedy, pages, ships_mtp=False), GatherOnly())
 
     def submit_engine(prompt):
         engine.add_request(prompt, greedy, f"e{next(ids)}", detokenize=False)

@@ -96,7 +96,10 @@ class DecodeWorker:
         if config.test_hook_slow_first_forward_s:
             slow_first_forward(self.core, config.test_hook_slow_first_forward_s)
         self.warmup_report: Optional[WarmupReport] = None
-        self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)
+        self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)  # the pool's layers: the pairing's
+        # Without speculation nothing reads the NextN/MTP layer's KV: requests ask the prefill worker for the main
+        # model's layers only (ReserveResponse.skip_mtp_kv), sparing it a whole layer's prompt pass.
+        self.skip_mtp_kv = self.core.model.has_mtp_weights and self.core.speculator is None
         self.streams: dict[str, Stream] = {}  # request id -> stream, touched only on the event loop
         self.aio_loop: Optional[asyncio.AbstractEventLoop] = None
         # Receiver callbacks run on its threads: they only queue work for the engine thread.
@@ -109,7 +112,9 @@ class DecodeWorker:
             timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
             max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size,
             kv_buffer=self.core.pool.kv)  # nccl/gloo/cuda_ipc write straight into the pool's pages; tcp too
-        self.engine = DecodeEngine(self.core, self.receiver, self.layout.num_kv_layers,
+        self.engine = DecodeEngine(self.core, self.receiver,
+                                   self.core.model_config.num_hidden_layers if self.skip_mtp_kv
+                                   else self.layout.num_kv_layers,
                                    on_output=self._output, on_failed=self._failed,
                                    max_queued=config.max_queued_requests)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
@@ -205,7 +210,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
         stream = w.streams[t.request_id] = Stream(t.request_id, asyncio.Queue(), time.monotonic())
         asyncio.get_running_loop().call_later(RESERVATION_ATTACH_S, self._release_unattached, stream)
         return pb.ReserveResponse(room=t.room, kv_endpoint=w.receiver.endpoint, dst_pages=t.pages,
-                                  layout=layout_to_proto(w.layout))
+                                  layout=layout_to_proto(w.layout), skip_mtp_kv=w.skip_mtp_kv)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         w = self.w

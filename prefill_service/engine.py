@@ -34,6 +34,7 @@ class PrefillJob:
     params: SamplingParams
     dst_pages: list[int]  # the decode worker's reserved pages (the prompt must fit them)
     arrival_time: float = field(default_factory=time.monotonic)
+    ships_mtp: bool = True  # send the NextN/MTP layer's KV too (False: the decode worker does not speculate)
 
 
 @dataclass
@@ -58,19 +59,31 @@ class PrefillEngine(StepHooks):
         self.max_queued = max_queued  # prompts waiting for compute; a bounded queue answers "full" at once
         self.pool, self.scheduler = core.pool, core.scheduler
         self.num_main_layers = core.model_config.num_hidden_layers
-        self.computes_mtp_kv = core.model.has_mtp_weights  # else the decode side gets no MTP layer (no speculation)
-        self.num_layers_sent = self.num_main_layers + (core.model_config.num_nextn_predict_layers
-                                                       if self.computes_mtp_kv else 0)
+        # The MTP layer's prompt KV is what a speculating decode worker drafts from, and costs the prompt pass a
+        # whole MoE layer more: computed for every prompt when this worker runs with --speculative-algorithm (as
+        # `pdserve up` starts both tiers), never otherwise, so every page this worker caches has it or none does.
+        # Per request it is shipped only to decode workers that speculate (PrefillJob.ships_mtp).
+        self.computes_mtp_kv = core.model.has_mtp_weights and core.speculator is not None
+        self._num_mtp_layers = core.model_config.num_nextn_predict_layers if self.computes_mtp_kv else 0
         self.on_blocks = on_blocks  # told the block hashes this worker now holds (ownership publishing)
         self._jobs: dict[str, tuple[PrefillJob, SendHandle]] = {}
         self._slots: dict[str, torch.Tensor] = {}  # the step's prompts' slots, computed once for all their layers
         core.hooks = self
+
+    def num_layers_for(self, job: PrefillJob) -> int:
+        """Layers the job's room carries: the main model's, then the MTP layer's when it ships them."""
+        return self.num_main_layers + (self._num_mtp_layers if job.ships_mtp else 0)
 
     @property
     def has_work(self) -> bool:
         return self.core.has_unfinished
 
     def add(self, job: PrefillJob, handle: SendHandle) -> None:
+        if job.ships_mtp and not self.computes_mtp_kv:
+            raise ValueError("the decode worker speculates and needs the NextN/MTP layer's KV, which this prefill "
+                             "worker does not compute: start it with the decode worker's --speculative-algorithm"
+                             if self.core.model.has_mtp_weights else "the decode worker asks for the NextN/MTP "
+                             "layer's KV and this model has none")
         if job.request_id in self._jobs:
             raise ValueError(f"request_id {job.request_id!r} is already being prefilled")
         if len(self.scheduler.waiting) >= self.max_queued:
@@ -118,10 +131,12 @@ class PrefillEngine(StepHooks):
         if not self.layerwise:
             for layer in range(self.num_main_layers):
                 self._ship(prompts, layer)
-        if self.computes_mtp_kv:  # the MTP layer's KV at the last prompt position needs the first token
-            self.core.runner.mtp_decode(prompts, first_tokens, hidden)
-            for layer in range(self.num_main_layers, self.num_layers_sent):
-                self._ship(prompts, layer)
+        # The MTP layer's KV at the last prompt position needs the first token.
+        mtp = [i for i, req in enumerate(prompts) if self._jobs[req.request_id][0].ships_mtp]
+        if mtp and self._num_mtp_layers:
+            self.core.runner.mtp_decode([prompts[i] for i in mtp], [first_tokens[i] for i in mtp], hidden[mtp])
+            for layer in range(self.num_main_layers, self.num_main_layers + self._num_mtp_layers):
+                self._ship([prompts[i] for i in mtp], layer)
         for req, tok, h in zip(prompts, first_tokens, hidden):
             self._jobs[req.request_id][1].finish({
                 "first_token_id": tok, "cached_tokens": req.num_cached_tokens,

@@ -143,11 +143,17 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             if mismatch:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"this prefill worker cannot send KV to that decode worker: {mismatch}")
-            job = PrefillJob(rid, list(request.input_ids), params, list(request.dst_pages))
+            job = PrefillJob(rid, list(request.input_ids), params, list(request.dst_pages),
+                             ships_mtp=w.core.model.has_mtp_weights and not request.skip_mtp_kv)
+            if job.ships_mtp and not w.engine.computes_mtp_kv:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   "the decode worker speculates and needs the NextN/MTP layer's KV, which this "
+                                   "prefill worker does not compute: start it with the decode worker's "
+                                   "--speculative-algorithm")
             # Connecting (and the layout handshake, which picks the transport under auto) happens here, before any
             # compute is spent.
             handle = await asyncio.to_thread(w.sender.begin, request.kv_endpoint, request.room,
-                                             w.layout.num_kv_layers, job.dst_pages)
+                                             w.engine.num_layers_for(job), job.dst_pages)
             transport = handle.transport
             result_future = w.deliveries.expect(rid)
             try:

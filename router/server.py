@@ -309,7 +309,8 @@ class Router:
             decode_call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=_left(deadline), metadata=md)
             prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
                 request_id=rid, input_ids=ids, sampling_params=sp, room=reserve.room,
-                kv_endpoint=reserve.kv_endpoint, dst_pages=reserve.dst_pages, dst_layout=reserve.layout),
+                kv_endpoint=reserve.kv_endpoint, dst_pages=reserve.dst_pages, dst_layout=reserve.layout,
+                skip_mtp_kv=reserve.skip_mtp_kv),
                 timeout=_left(deadline), metadata=md))
             watching_prefill = True
             while True:

@@ -3,6 +3,7 @@ every layer including NextN's, and the rows it ships are exactly the pool's rows
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdserve.engine import EngineConfig, LLMEngine
@@ -11,6 +12,7 @@ from pdserve.kv_cache import CacheConfig
 from pdserve.prefill_service.engine import PrefillEngine, PrefillJob
 from pdserve.sampling import SamplingParams
 from pdserve.scheduler import SchedulerConfig
+from pdserve.spec_decode import SpeculativeConfig
 
 
 class RecordingHandle:
@@ -29,9 +31,12 @@ class RecordingHandle:
         self.events.append("abort")
 
 
+SPECULATING = SpeculativeConfig("NEXTN", 2)  # a prefill worker started with --speculative-algorithm: MTP KV too
+
+
 def test_layers_stream_during_the_forward(tiny_v3_dir):
     core = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=6)))
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=6), speculative=SPECULATING))
     events: list[str] = []
     last = core.model.layers[-1]
     last.register_forward_pre_hook(lambda *_: events.append("last layer starts"))
@@ -62,3 +67,41 @@ def test_layers_stream_during_the_forward(tiny_v3_dir):
     torch.testing.assert_close(handle.aux["hidden"], hidden[-1], rtol=1e-4, atol=1e-4)
     assert handle.layers[core.model_config.num_hidden_layers].abs().sum() > 0  # NextN KV was computed
     assert core.kv_pages_in_use_by_requests() == 0
+
+
+def test_without_speculation_no_mtp_layer_is_computed_or_shipped(tiny_v3_dir):
+    """A decode worker that does not speculate asks for the main model's layers only (skip_mtp_kv, PrefillJob
+    ships_mtp=False); a prefill worker without --speculative-algorithm never computes the MTP layer's prompt KV, and
+    refuses a job that needs it; the main layers' rows are those a speculating prefill worker ships."""
+    prompt_text = "The router sends each request to a prefill worker"
+
+    def run(speculative, ships_mtp):
+        core = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
+                                      speculative=speculative))
+        engine = PrefillEngine(core, sender=None)
+        passes = []
+        extend = core.runner.mtp_extend
+        core.runner.mtp_extend = lambda *a: (passes.append(1), extend(*a))
+        handle = RecordingHandle([])
+        job = PrefillJob("r", core.encode(prompt_text), SamplingParams(max_new_tokens=4), list(range(16)),
+                         ships_mtp=ships_mtp)
+        engine.add(job, handle)
+        while engine.has_work:
+            engine.step()
+        return core, engine, job, handle, passes
+
+    core, engine, job, plain, passes = run(SpeculativeConfig(), ships_mtp=False)
+    main, total = core.model_config.num_hidden_layers, core.model_config.num_kv_layers
+    assert not engine.computes_mtp_kv and not passes and engine.num_layers_for(job) == main
+    assert sorted(plain.layers) == list(range(main))
+    with pytest.raises(ValueError, match="start it with the decode worker's --speculative-algorithm"):
+        engine.add(PrefillJob("s", [1, 2, 3], SamplingParams(), [0], ships_mtp=True), RecordingHandle([]))
+
+    _, engine, job, speculating, passes = run(SPECULATING, ships_mtp=True)
+    assert engine.computes_mtp_kv and passes and engine.num_layers_for(job) == total
+    assert sorted(speculating.layers) == list(range(total))
+    for layer in range(main):
+        torch.testing.assert_close(plain.layers[layer], speculating.layers[layer], rtol=1e-5, atol=1e-5)
+    assert plain.aux["first_token_id"] == speculating.aux["first_token_id"]
+    _, _, job, to_plain_decode, _ = run(SPECULATING, ships_mtp=False)  # a speculating prefill, a plain decode
+    assert sorted(to_plain_decode.layers) == list(range(main))

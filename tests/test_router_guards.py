@@ -253,7 +253,9 @@ def test_aux_first_token_outside_the_vocabulary_fails_only_its_request(stack):
         assert wire.recv_frame(sock)[0]["kind"] == wire.HELLO_OK
         rows = torch.zeros(len(prompt), layout.kv_dim, dtype=layout.torch_dtype)
         payload = wire.tensor_bytes(rows)
-        for layer in range(layout.num_kv_layers):
+        # The room's layers: the pool's, less the MTP layer's for a decode worker that does not speculate.
+        num_layers = layout.num_kv_layers - (1 if reserve.skip_mtp_kv else 0)
+        for layer in range(num_layers):
             wire.send_frame(sock, {"kind": wire.LAYER, "room": reserve.room, "layer": layer,
                                    "num_tokens": len(prompt), "crc32": wire.payload_crc32(payload)}, payload)
         wire.send_frame(sock, {"kind": wire.AUX, "room": reserve.room,

@@ -1,5 +1,7 @@
 """Speculative decoding through the real stack: router + prefill worker + decode worker processes, KV (the MTP layer's
-included) and the last hidden state shipped over TCP, speculation enabled on the decode worker only.
+included) and the last hidden state shipped over TCP, both tiers started with the speculation flags (`pdserve up`
+passes them to both: the prefill worker computes the MTP layer's KV only then). A decode worker that speculates
+behind a prefill worker that does not gets FAILED_PRECONDITION naming the flag.
 
 Greedy outputs must equal the single-process engine's without speculation, token for token; the decode worker's
 pdserve_spec_* metrics must show drafts being accepted, and its pool must return to idle.
@@ -33,8 +35,11 @@ def friendly_dir(request, tiny_v3_dir, trained_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_stack(friendly_dir, tmp_path_factory):
-    stack = start_stack(friendly_dir, tmp_path_factory.mktemp("logs-spec"), engine_args=["--dtype", "float32"],
-                        decode_args=["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"])
+    # Both tiers get the speculation flags, as `pdserve up` passes them: the prefill worker then computes the MTP
+    # layer's KV.
+    stack = start_stack(friendly_dir, tmp_path_factory.mktemp("logs-spec"),
+                        engine_args=["--dtype", "float32", "--speculative-algorithm", "NEXTN",
+                                     "--speculative-num-steps", "3"])
     yield stack
     stack.stop()
 
@@ -76,3 +81,16 @@ def test_pd_speculative_seeded_sampling_reproduces(spec_stack):
     assert a == b and len(a) == 10
     load = wait_idle(spec_stack.decode[0])
     assert load.num_free_pages == load.num_total_pages
+
+
+def test_a_speculating_decode_behind_a_plain_prefill_fails_naming_the_flag(tiny_v3_dir, tmp_path):
+    import grpc
+
+    stack = start_stack(tiny_v3_dir, tmp_path, decode_args=["--speculative-algorithm", "NEXTN"])
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stack.router.address, [5, 6, 7, 8], GREEDY)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--speculative-algorithm" in err.value.details()
+    finally:
+        stack.stop()

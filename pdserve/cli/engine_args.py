@@ -98,7 +98,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per request, prompt and output together (default 4096; at most the model's "
                         "max_position_embeddings, to which a larger value is lowered)")
     g.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
-    sg = p.add_argument_group("speculative decoding (decode tier and generate; off by default)")
+    sg = p.add_argument_group("speculative decoding (generate, and both tiers: decode drafts, prefill computes the "
+                              "MTP layer's prompt KV; off by default)")
     sg.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=["NEXTN"],
                     help="NEXTN = draft with the checkpoint's MTP layer, verify with the model (lossless)")
     sg.add_argument("--speculative-num-steps", type=int, default=3, metavar="K",

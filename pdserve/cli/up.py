@@ -84,7 +84,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len)]
     flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
-    if args.speculative_algorithm:  # prefill workers accept and ignore them: only decode rows speculate
+    if args.speculative_algorithm:  # decode rows speculate; prefill workers then compute the MTP layer's prompt KV
         flags += ["--speculative-algorithm", args.speculative_algorithm, "--speculative-num-steps",
                   str(args.speculative_num_steps)]
         if args.speculative_num_draft_tokens is not None:
