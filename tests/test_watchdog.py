@@ -46,7 +46,10 @@ def test_frozen_decode_worker_fails_over_and_rejoins(tiny_v3_dir, tmp_path):
             victim.popen.send_signal(signal.SIGSTOP)
             frozen_at = time.monotonic()
             try:
-                time.sleep(DETECT_S + MARGIN_S + 4.0)  # then the survivor alone serves for a while
+                # Then the survivor alone serves for a while: long enough for a whole round of the 8 clients'
+                # requests (they run in lockstep waves of ~2.3 s on two CPU cores) to start and end inside it,
+                # whatever the waves' phase (4 s missed every wave about one run in three).
+                time.sleep(DETECT_S + MARGIN_S + 8.0)
             finally:
                 victim.popen.send_signal(signal.SIGCONT)
             resumed_at = time.monotonic()
