@@ -96,7 +96,7 @@ class DecodeWorker:
         if config.test_hook_slow_first_forward_s:
             slow_first_forward(self.core, config.test_hook_slow_first_forward_s)
         self.warmup_report: Optional[WarmupReport] = None
-        self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)  # the pool's layers: the pairing's
+        self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)  # the pool's: what pairing checks
         # Without speculation nothing reads the NextN/MTP layer's KV: requests ask the prefill worker for the main
         # model's layers only (ReserveResponse.skip_mtp_kv), sparing it a whole layer's prompt pass.
         self.skip_mtp_kv = self.core.model.has_mtp_weights and self.core.speculator is None

@@ -27,6 +27,11 @@ from pdserve.sampling import SamplingParams
 from pdserve.serving.grpc_shell import exhausted
 
 
+# Why a job for a speculating decode worker is refused by a prefill worker that computes no MTP-layer KV.
+MTP_KV_NOT_COMPUTED = ("the decode worker speculates and needs the NextN/MTP layer's KV, which this prefill worker "
+                       "does not compute: start it with the decode worker's --speculative-algorithm")
+
+
 @dataclass
 class PrefillJob:
     request_id: str
@@ -80,10 +85,7 @@ class PrefillEngine(StepHooks):
 
     def add(self, job: PrefillJob, handle: SendHandle) -> None:
         if job.ships_mtp and not self.computes_mtp_kv:
-            raise ValueError("the decode worker speculates and needs the NextN/MTP layer's KV, which this prefill "
-                             "worker does not compute: start it with the decode worker's --speculative-algorithm"
-                             if self.core.model.has_mtp_weights else "the decode worker asks for the NextN/MTP "
-                             "layer's KV and this model has none")
+            raise ValueError(MTP_KV_NOT_COMPUTED)
         if job.request_id in self._jobs:
             raise ValueError(f"request_id {job.request_id!r} is already being prefilled")
         if len(self.scheduler.waiting) >= self.max_queued:
@@ -132,11 +134,12 @@ class PrefillEngine(StepHooks):
             for layer in range(self.num_main_layers):
                 self._ship(prompts, layer)
         # The MTP layer's KV at the last prompt position needs the first token.
-        mtp = [i for i, req in enumerate(prompts) if self._jobs[req.request_id][0].ships_mtp]
-        if mtp and self._num_mtp_layers:
-            self.core.runner.mtp_decode([prompts[i] for i in mtp], [first_tokens[i] for i in mtp], hidden[mtp])
+        rows = [i for i, req in enumerate(prompts) if self._jobs[req.request_id][0].ships_mtp]
+        if rows:  # (add() admitted such a job only where this worker computes the MTP layer)
+            shipping = [prompts[i] for i in rows]
+            self.core.runner.mtp_decode(shipping, [first_tokens[i] for i in rows], hidden[rows])
             for layer in range(self.num_main_layers, self.num_main_layers + self._num_mtp_layers):
-                self._ship([prompts[i] for i in mtp], layer)
+                self._ship(shipping, layer)
         for req, tok, h in zip(prompts, first_tokens, hidden):
             self._jobs[req.request_id][1].finish({
                 "first_token_id": tok, "cached_tokens": req.num_cached_tokens,

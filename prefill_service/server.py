@@ -27,7 +27,7 @@ from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
 from pdserve.serving.worker_common import Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info
 
-from .engine import PrefillEngine, PrefillJob
+from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +145,8 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                                    f"this prefill worker cannot send KV to that decode worker: {mismatch}")
             job = PrefillJob(rid, list(request.input_ids), params, list(request.dst_pages),
                              ships_mtp=w.core.model.has_mtp_weights and not request.skip_mtp_kv)
-            if job.ships_mtp and not w.engine.computes_mtp_kv:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   "the decode worker speculates and needs the NextN/MTP layer's KV, which this "
-                                   "prefill worker does not compute: start it with the decode worker's "
-                                   "--speculative-algorithm")
+            if job.ships_mtp and not w.engine.computes_mtp_kv:  # before any connection or compute
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, MTP_KV_NOT_COMPUTED)
             # Connecting (and the layout handshake, which picks the transport under auto) happens here, before any
             # compute is spent.
             handle = await asyncio.to_thread(w.sender.begin, request.kv_endpoint, request.room,
