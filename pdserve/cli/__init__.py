@@ -113,6 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVER_COMMANDS = ("up", "router", "prefill", "decode")
+
+
+class StopRequested(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) on a server: a normal stop, exit status 0.
+
+    A subclass on purpose. Under `python -m`, CPython (3.11 at least) ends the process with SIGINT (status -2),
+    after every handler and `finally` has run, if a plain KeyboardInterrupt ever left an exec/eval of a string.
+    Dataclass and namedtuple creation inside a lazy import do that, so a caught Ctrl-C that lands there turns
+    into a signal death. CPython only checks for the exact KeyboardInterrupt type."""
+
+
+def stop_on_ctrl_c() -> None:
+    import signal
+
+    def _raise(signum, frame):
+        raise StopRequested()
+
+    signal.signal(signal.SIGINT, _raise)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from pdserve.cli.env import EnvError, parse_args
 
@@ -121,6 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except EnvError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    if args.command in SERVER_COMMANDS:
+        stop_on_ctrl_c()
     try:
         return args.func(args)
     except (UsageError, ValueError, FileExistsError, OSError, RuntimeError,
@@ -128,7 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # servers stop on Ctrl-C as asked; a one-off command was interrupted
-        return 0 if args.command in ("up", "router", "prefill", "decode") else 130
+        return 0 if args.command in SERVER_COMMANDS else 130
 
 
 if __name__ == "__main__":
