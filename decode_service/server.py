@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,11 +16,9 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
     Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
 )
-from pdserve.kv_transfer import KVTransferError, RequestReceiver, TRANSPORTS, check_transport_device
+from pdserve.kv_transfer import RequestReceiver, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
-from pdserve.serving.rpc_convert import (
-    finish_to_proto, layout_to_proto, logprobs_to_proto, sampling_from_proto, usage_to_proto,
-)
+from pdserve.serving.rpc_convert import layout_to_proto, sampling_from_proto
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -29,10 +26,11 @@ from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_wor
 from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info
 
 from .engine import DecodeEngine
+from .streams import Connection, StreamHub
 
 log = logging.getLogger(__name__)
-# A reservation whose Decode call has not attached this long after Reserve answered is released: the router makes
-# that call right after the answer, so its absence means the request ended (deadline, cancel, router gone).
+# A reservation that no DecodeStream call has attached this long after Reserve answered is released: the router
+# attaches right after the answer, so its absence means the request ended (deadline, cancel, router gone).
 RESERVATION_ATTACH_S = 1.0
 
 
@@ -55,39 +53,6 @@ class DecodeWorkerConfig:
         check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
 
 
-@dataclass
-class Stream:
-    """Where a request's outputs go: filled from the engine thread, drained by the Decode RPC."""
-
-    request_id: str
-    queue: asyncio.Queue
-    arrival_time: float
-    last_token_time: Optional[float] = None
-    attached: bool = False  # a Decode call reads it
-    held: object = None  # an item taken off the queue behind merged outputs, next in line
-
-    async def next_item(self) -> tuple[object, list[int], str, Optional[list]]:
-        """(item, token ids, text, logprobs): the next output with every output queued behind it merged in (several
-        tokens in one message when the reader falls behind the engine; the last one's state counts), or an error.
-        logprobs: one per token when the request asked for them, else None."""
-        item, self.held = (self.held, None) if self.held is not None else (await self.queue.get(), None)
-        if not isinstance(item, RequestOutput):
-            return item, [], "", None
-        token_ids, text = list(item.new_token_ids), item.new_text
-        logprobs = None if item.logprobs is None else list(item.logprobs)
-        while not item.finished and not self.queue.empty():
-            later = self.queue.get_nowait()
-            if not isinstance(later, RequestOutput):
-                self.held = later
-                break
-            item = later
-            token_ids += later.new_token_ids
-            text += later.new_text
-            if logprobs is not None:
-                logprobs += later.logprobs or [None] * len(later.new_token_ids)
-        return item, token_ids, text, logprobs
-
-
 class DecodeWorker:
     def __init__(self, config: DecodeWorkerConfig, identity: WorkerIdentity, metrics: Metrics,
                  core: Optional[LLMEngine] = None):
@@ -100,7 +65,9 @@ class DecodeWorker:
         # Without speculation nothing reads the NextN/MTP layer's KV: requests ask the prefill worker for the main
         # model's layers only (ReserveResponse.skip_mtp_kv), sparing it a whole layer's prompt pass.
         self.skip_mtp_kv = self.core.model.has_mtp_weights and self.core.speculator is None
-        self.streams: dict[str, Stream] = {}  # request id -> stream, touched only on the event loop
+        # Request id -> where its outputs go (a router's DecodeStream call); touched only on the event loop.
+        self.streams = StreamHub(metrics, on_attached=self._attached, on_detached=self._detached)
+        self.drain: Optional[Drain] = None  # attached requests count as work in flight for a graceful drain
         self.aio_loop: Optional[asyncio.AbstractEventLoop] = None
         # Receiver callbacks run on its threads: they only queue work for the engine thread.
         self.receiver = RequestReceiver(
@@ -157,18 +124,25 @@ class DecodeWorker:
 
     def _step_failed(self, error: BaseException) -> None:
         err = ServiceError(grpc.StatusCode.INTERNAL, "decode step failed (the decode worker's log has the details)")
-        for request_id in list(self.streams):
-            self.aio_loop.call_soon_threadsafe(self._deliver, request_id, err)
+        self.aio_loop.call_soon_threadsafe(self.streams.fail_all, err)
 
     # ---- event loop -------------------------------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
-        stream = self.streams.get(request_id)
-        if stream is not None:
-            stream.queue.put_nowait(item)
+        self.streams.deliver([(request_id, item)])
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._deliver(out.request_id, out)
+        self.streams.deliver([(out.request_id, out) for out in outputs])
+
+    def _attached(self, request_id: str) -> None:
+        if self.drain is not None:
+            self.drain.in_flight += 1
+
+    def _detached(self, request_id: str, finished: bool) -> None:
+        if self.drain is not None:
+            self.drain.in_flight -= 1
+        if not finished:  # its call went away or the router cancelled it: free the pages now
+            self.metrics.count(self.metrics.requests, outcome="aborted")
+            self.abort(request_id)
 
     def load(self) -> pb.WorkerLoad:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
@@ -207,62 +181,47 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)
         # Registered before any output can exist: outputs are produced only after the KV arrives.
-        stream = w.streams[t.request_id] = Stream(t.request_id, asyncio.Queue(), time.monotonic())
+        stream = w.streams.open(t.request_id)
         asyncio.get_running_loop().call_later(RESERVATION_ATTACH_S, self._release_unattached, stream)
         return pb.ReserveResponse(room=t.room, kv_endpoint=w.receiver.endpoint, dst_pages=t.pages,
                                   layout=layout_to_proto(w.layout), skip_mtp_kv=w.skip_mtp_kv)
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        w = self.w
-        stream = w.streams.get(request.request_id)
-        if stream is None or stream.attached:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"request_id {request.request_id!r} is not reserved on this worker (a reservation "
-                                f"is released when no Decode call reads it within {RESERVATION_ATTACH_S:g} s)")
-        stream.attached = True
-        finished = False
+    async def DecodeStream(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Reads attach/cancel messages while it writes, per batch of engine steps, one message with every new
+        token of the requests attached to this call."""
+        hub = self.w.streams
+        conn = Connection()
+        reader = asyncio.ensure_future(self._read_commands(request_iterator, conn))
         try:
-            while True:
-                item, token_ids, text, logprobs = await stream.next_item()
-                if isinstance(item, KVTransferError):
-                    w.metrics.count(w.metrics.requests, outcome="failed")
-                    code = grpc.StatusCode.DEADLINE_EXCEEDED if item.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
-                    finished = True
-                    await context.abort(code, f"KV transfer failed: {item}")
-                if isinstance(item, BaseException):
-                    finished = True
-                    await abort_with(context, item)
-                now = time.monotonic()
-                if stream.last_token_time is not None and token_ids:  # merged tokens share their gap
-                    gap = (now - stream.last_token_time) / len(token_ids)
-                    for _ in token_ids:
-                        w.metrics.itl.observe(gap)
-                stream.last_token_time = now
-                w.metrics.count(w.metrics.generated_tokens, len(token_ids))
-                msg = pb.DecodeResponse(token_ids=token_ids, text=text, logprobs=logprobs_to_proto(logprobs))
-                if item.finished:
-                    finished = True
-                    msg.finish_reason = finish_to_proto(item.finish_reason)
-                    msg.usage.CopyFrom(usage_to_proto(item.prompt_tokens, item.cached_tokens, len(item.output_ids)))
-                    w.metrics.e2e.observe(now - stream.arrival_time)
-                    w.metrics.count(w.metrics.requests, outcome="finished")
-                yield msg
-                if finished:
-                    return
+            while not conn.done:
+                items = await conn.next_batch()
+                if items:
+                    msg = hub.message(items)
+                    if msg.updates:
+                        yield msg
         finally:
-            w.streams.pop(request.request_id, None)
-            if not finished:  # the router went away (client cancelled): free the pages now
-                w.metrics.count(w.metrics.requests, outcome="aborted")
-                w.abort(stream.request_id)
+            reader.cancel()
+            hub.close(conn)
 
+    async def _read_commands(self, request_iterator, conn: Connection) -> None:
+        hub = self.w.streams
+        try:
+            async for command in request_iterator:
+                for request_id in command.attach:
+                    hub.attach(conn, request_id)
+                for request_id in command.cancel:
+                    hub.cancel(conn, request_id)
+        finally:  # the router ended its side (or the call is gone): end once the attached requests have
+            conn.closing = True
+            conn.wake()
 
-    def _release_unattached(self, stream: Stream) -> None:
+    def _release_unattached(self, stream) -> None:
         w = self.w
-        if stream.attached or w.streams.get(stream.request_id) is not stream:
+        if stream.conn is not None or w.streams.streams.get(stream.request_id) is not stream:
             return
-        del w.streams[stream.request_id]
-        log.info("request %s: no Decode call within %g s of its reservation; releasing it", stream.request_id,
-                 RESERVATION_ATTACH_S)
+        w.streams.drop(stream.request_id, finished=True)
+        log.info("request %s: no DecodeStream call attached it within %g s of its reservation; releasing it",
+                 stream.request_id, RESERVATION_ATTACH_S)
         w.metrics.count(w.metrics.requests, outcome="aborted")
         w.abort(stream.request_id)
 
@@ -273,11 +232,12 @@ async def serve_decode(worker: DecodeWorker, ready=None) -> None:
     if worker.config.warmup:
         worker.warmup_report = warm_up_worker(worker.core, "decode")
     sec = worker.config.security
+    # Work in flight for the drain: Reserve calls, and each request attached to a DecodeStream call.
+    worker.drain = Drain(tracked={"Reserve"}, refused={"Reserve", "GetLoad"})
     server, port = create_server(worker.config.host, worker.config.port,
                                  [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
                                  lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), s),
-                                 interceptors=internal_auth(sec),
-                                 drain=Drain(tracked={"Reserve", "Decode"}, refused={"Reserve", "GetLoad"}),
+                                 interceptors=internal_auth(sec), drain=worker.drain,
                                  credentials=sec.server_credentials())
     worker.start(asyncio.get_running_loop())
     await start_serving(server)

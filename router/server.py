@@ -28,6 +28,7 @@ from pdserve.v1 import generate_pb2_grpc as gen_grpc
 from pdserve.v1 import worker_pb2 as pb
 
 from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
+from .decode_streams import DecodeFailed, DecodeStreams, failure_of
 from .workers import Worker, WorkerDown, WorkerPool, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Router:
         self.num_active = 0
         self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="router-tokenize")
         self._tokenize_slots = asyncio.Semaphore(config.tokenize_threads)
+        self.decode_streams = DecodeStreams(pool.metadata, pool.seen)  # one DecodeStream call per decode worker
 
     # ---- choosing workers --------------------------------------------------------------------------------------
     async def choose(self, prompt_ids: list[int], avoid: frozenset[str] = frozenset(),
@@ -256,7 +258,8 @@ class Router:
                         yield msg
                     outcome = "finished"
                     return
-                except (grpc.aio.AioRpcError, WorkerDown) as e:  # a worker's status, passed through (or retried)
+                except (grpc.aio.AioRpcError, DecodeFailed, WorkerDown) as e:  # a worker's status, passed on
+                    # (or retried)
                     code, details = ((grpc.StatusCode.UNAVAILABLE, str(e)) if isinstance(e, WorkerDown)
                                      else (e.code(), e.details()))
                     if code == grpc.StatusCode.UNAVAILABLE:
@@ -279,12 +282,17 @@ class Router:
             m.count(m.requests, outcome=outcome)
 
     async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival, deadline):
+        """Reserve on the decode worker, then Prefill while this request's feed (see decode_streams) collects
+        everything that can happen to it: the decode worker's updates, a prefill failure, a worker taken out of
+        routing, the deadline. One wake-up per batch of updates; the tokens that queued meanwhile (a client reading
+        slower than the engine steps) go out in one chunk."""
         m = self.metrics
         sp = sampling_to_proto(params)
         md = self.pool.metadata
+        feed: asyncio.Queue = asyncio.Queue()
         # Ends this attempt at once if either worker is taken out of routing (frozen, stalled, gone) meanwhile.
         down = asyncio.ensure_future(_first_down(prefill, decode))
-        decode_call = prefill_task = None
+        call = prefill_task = deadline_timer = None
         output_ids: list[int] = []
         text: list[str] = []
         logprobs: list[gen_pb.TokenLogprobs] = []
@@ -292,8 +300,22 @@ class Router:
         wants_prefill_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
         prefill_resp: Optional[pb.PrefillResponse] = None
         last = None
-        decoding = False
-        read: Optional[asyncio.Future] = None
+        decoding = finished = ended = False
+
+        def watch_down(*workers: Worker) -> None:
+            nonlocal down
+            down.cancel()
+            down = asyncio.ensure_future(_first_down(*workers))
+            down.add_done_callback(lambda d: d.cancelled() or feed.put_nowait(WorkerDown(d.result())))
+
+        def prefill_done(task: asyncio.Future) -> None:
+            if task.cancelled() or ended:  # (a callback scheduled just before this attempt ended)
+                return
+            if task.exception() is not None:
+                feed.put_nowait(task.exception())  # decode would only notice at its KV timeout
+            else:  # the prefill worker's part is done: only the decode worker can hold this request up now
+                watch_down(decode)
+
         try:
             reserve_call = asyncio.ensure_future(decode.stub.Reserve(
                 pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
@@ -306,56 +328,59 @@ class Router:
             if not reserve_call.done():
                 raise WorkerDown(down.result())
             reserve: pb.ReserveResponse = reserve_call.result()
-            decode_call = decode.stub.Decode(pb.DecodeRequest(request_id=rid), timeout=_left(deadline), metadata=md)
+            call = self.decode_streams.attach(decode, rid, feed)
             prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
                 request_id=rid, input_ids=ids, sampling_params=sp, room=reserve.room,
                 kv_endpoint=reserve.kv_endpoint, dst_pages=reserve.dst_pages, dst_layout=reserve.layout,
                 skip_mtp_kv=reserve.skip_mtp_kv),
                 timeout=_left(deadline), metadata=md))
-            watching_prefill = True
+            prefill_task.add_done_callback(prefill_done)
+            watch_down(prefill, decode)
+            if deadline is not None:
+                deadline_timer = asyncio.get_running_loop().call_later(
+                    max(0.0, deadline - time.monotonic()), feed.put_nowait,
+                    ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
             while True:
-                if watching_prefill and prefill_task.done() and prefill_task.exception() is None:
-                    # The prefill worker's part is done: only the decode worker can hold this request up now.
-                    watching_prefill = False
-                    down.cancel()
-                    down = asyncio.ensure_future(_first_down(decode))
-                if read is None:
-                    read = asyncio.ensure_future(decode_call.read())
-                waits = {read, down} | ({prefill_task} if not prefill_task.done() else set())
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if read not in done:
-                    if prefill_task.done() and prefill_task.exception() is not None:
-                        raise prefill_task.exception()  # decode would only notice at its KV timeout
-                    if down in done:
-                        raise WorkerDown(down.result())
-                    continue  # the prefill finished: keep reading
-                msg, read = read.result(), None
-                self.pool.seen(decode)
+                updates = [await feed.get()]
+                while not feed.empty():
+                    updates.append(feed.get_nowait())
+                chunk = gen_pb.GenerateChunk()
+                done: Optional[pb.DecodeUpdate] = None
+                for update in updates:
+                    if isinstance(update, BaseException):
+                        raise update
+                    if update.HasField("failure"):
+                        raise failure_of(update)
+                    if wants_prefill_logprobs and prefill_resp is None:
+                        prefill_resp = await prefill_task  # done or about to be: the KV it sent has arrived
+                        chunk.prompt_logprobs.extend(prefill_resp.prompt_logprobs)
+                        if params.logprobs is not None and update.logprobs and not output_ids:
+                            update.logprobs[0].CopyFrom(prefill_resp.first_token_logprobs)
+                    if params.logprobs is not None:
+                        chunk.logprobs.extend(update.logprobs)
+                        logprobs += update.logprobs
+                    chunk.token_ids.extend(update.token_ids)
+                    chunk.text += update.text
+                    output_ids += update.token_ids
+                    text.append(update.text)
+                    if update.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                        done = update
+                        break  # nothing comes after a request's last update
                 if not decoding:
                     decoding = True
                     decode.decoding += 1
-                if msg is grpc.aio.EOF:
-                    raise ServiceError(grpc.StatusCode.INTERNAL, "decode worker ended the stream without finishing")
                 now = time.monotonic()
                 if last is None:
                     m.ttft.observe(now - arrival)
-                else:
-                    m.itl.observe(now - last)
+                elif chunk.token_ids:  # tokens that arrived together share their gap
+                    gap = (now - last) / len(chunk.token_ids)
+                    for _ in chunk.token_ids:
+                        m.itl.observe(gap)
                 last = now
-                chunk = gen_pb.GenerateChunk(token_ids=msg.token_ids, text=msg.text)
-                if wants_prefill_logprobs and prefill_resp is None:
-                    prefill_resp = await prefill_task  # done or about to be: the KV it sent has arrived
-                    chunk.prompt_logprobs.extend(prefill_resp.prompt_logprobs)
-                    if params.logprobs is not None and msg.logprobs and not output_ids:
-                        msg.logprobs[0].CopyFrom(prefill_resp.first_token_logprobs)
-                if params.logprobs is not None:
-                    chunk.logprobs.extend(msg.logprobs)
-                    logprobs += msg.logprobs
-                output_ids += msg.token_ids
-                text.append(msg.text)
-                if msg.token_ids or msg.text or chunk.prompt_logprobs:
+                if chunk.token_ids or chunk.text or chunk.prompt_logprobs:
                     yield gen_pb.GenerateResponse(request_id=rid, chunk=chunk)
-                if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                if done is not None:
+                    finished = True
                     resp = await prefill_task
                     self._learn_ownership(prefill, hashes, resp)
                     m.e2e.observe(now - arrival)
@@ -363,16 +388,17 @@ class Router:
                     m.count(m.prompt_tokens, len(ids))
                     m.count(m.prefix_hit_tokens, resp.cached_tokens)
                     yield gen_pb.GenerateResponse(request_id=rid, complete=gen_pb.GenerateComplete(
-                        output_ids=output_ids, finish_reason=msg.finish_reason, usage=msg.usage,
+                        output_ids=output_ids, finish_reason=done.finish_reason, usage=done.usage,
                         text="".join(text), logprobs=logprobs,
                         prompt_logprobs=resp.prompt_logprobs if params.prompt_logprobs is not None else []))
                     return
         finally:
             # On any early exit (client cancel, a worker failing) both workers drop the request and free pages.
-            if read is not None:
-                read.cancel()
-            if decode_call is not None:
-                decode_call.cancel()
+            ended = True
+            if deadline_timer is not None:
+                deadline_timer.cancel()
+            if call is not None and not finished:
+                call.cancel(rid)
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
             down.cancel()

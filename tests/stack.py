@@ -197,6 +197,23 @@ def generate(address: str, prompt, params: SamplingParams, timeout: float = 60.0
     raise AssertionError("the stream ended without a complete message")
 
 
+def decode_updates(stub: pb_grpc.DecodeWorkerStub, request_id: str, timeout: float = 30.0) -> list[pb.DecodeUpdate]:
+    """Attach request_id on a DecodeStream call of its own and read its updates up to its last one (finished or
+    failed), as a router does."""
+    updates: list[pb.DecodeUpdate] = []
+    call = stub.DecodeStream(iter([pb.DecodeStreamRequest(attach=[request_id])]), timeout=timeout)
+    try:
+        for msg in call:
+            for u in msg.updates:
+                assert u.request_id == request_id, u
+                updates.append(u)
+                if u.HasField("failure") or u.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                    return updates
+    finally:
+        call.cancel()
+    raise AssertionError(f"the DecodeStream call ended before {request_id}'s last update: {updates}")
+
+
 def load(proc: Proc) -> pb.WorkerLoad:
     stub_cls = pb_grpc.PrefillWorkerStub if proc.role == "prefill" else pb_grpc.DecodeWorkerStub
     with grpc.insecure_channel(proc.address) as ch:

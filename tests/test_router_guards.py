@@ -26,7 +26,7 @@ from pdserve.v1 import generate_pb2_grpc as gen_grpc
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from stack import free_port, load, start_stack, wait_idle
+from stack import decode_updates, free_port, load, start_stack, wait_idle
 
 pytestmark = pytest.mark.slow
 # What a response must never carry: Python's own words for its errors.
@@ -245,7 +245,7 @@ def test_aux_first_token_outside_the_vocabulary_fails_only_its_request(stack):
         stub = pb_grpc.DecodeWorkerStub(ch)
         reserve = stub.Reserve(pb.ReserveRequest(request_id="forged-aux", input_ids=prompt,
                                                  sampling_params=gen_pb.SamplingParams(max_new_tokens=4)), timeout=10)
-        stream = stub.Decode(pb.DecodeRequest(request_id="forged-aux"), timeout=30)
+        updates = ThreadPoolExecutor(1).submit(decode_updates, stub, "forged-aux")
         lay = reserve.layout
         layout = KVLayout(lay.model_fingerprint, lay.page_size, lay.num_kv_layers, lay.kv_dim, lay.dtype)
         sock = socket.create_connection(wire.parse_endpoint(reserve.kv_endpoint), timeout=10)
@@ -261,11 +261,10 @@ def test_aux_first_token_outside_the_vocabulary_fails_only_its_request(stack):
         wire.send_frame(sock, {"kind": wire.AUX, "room": reserve.room,
                                "fields": {"first_token_id": 10**12, "cached_tokens": 0}, "hidden_dtype": None,
                                "hidden_shape": None, "hidden_nbytes": 0, "rng_nbytes": 0}, b"")
-        with pytest.raises(grpc.RpcError) as e:
-            list(stream)
+        failure = updates.result(30)[-1].failure
         sock.close()
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
-    assert "first_token_id 1000000000000 is outside the vocabulary" in e.value.details(), e.value.details()
+    assert failure.code == grpc.StatusCode.UNAVAILABLE.value[0], failure
+    assert "first_token_id 1000000000000 is outside the vocabulary" in failure.message, failure
     idle = wait_idle(decode, 5)
     assert idle.num_free_pages == idle.num_total_pages and idle.num_transferring == 0, idle
     assert generate_ids(stack.router.address, [5, 6, 7])[-1].HasField("complete")  # still serving

@@ -13,10 +13,9 @@ from pdserve.kv_cache import CacheConfig
 from pdserve.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import generate_pb2_grpc as gen_grpc
-from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from stack import generate, start_stack, wait_idle
+from stack import decode_updates, generate, start_stack, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +64,9 @@ def test_no_kv_room_is_resource_exhausted_and_leaks_nothing(stack):
 
 def test_unknown_request_is_not_found(stack):
     with grpc.insecure_channel(stack.decode[0].address) as ch:
-        with pytest.raises(grpc.RpcError) as info:
-            list(pb_grpc.DecodeWorkerStub(ch).Decode(pb.DecodeRequest(request_id="never-reserved"), timeout=5))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        updates = decode_updates(pb_grpc.DecodeWorkerStub(ch), "never-reserved", timeout=5)
+    assert [u.failure.code for u in updates] == [grpc.StatusCode.NOT_FOUND.value[0]], updates
+    assert "not reserved" in updates[0].failure.message
 
 
 def test_model_info_health_and_reflection(stack, engine):

@@ -362,6 +362,7 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
     async def stop_fronts() -> None:
         if http is not None:
             await http.cleanup()
+        router.decode_streams.close()
         await pool.close()
         ownership.close()
 

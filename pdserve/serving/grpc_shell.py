@@ -42,15 +42,20 @@ def exhausted(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, err: BaseException) -> None:
-    """Map an exception to a status: ServiceError keeps its code, ValueError is INVALID_ARGUMENT, else INTERNAL
+def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status an exception maps to: ServiceError keeps its code, ValueError is INVALID_ARGUMENT, else INTERNAL
     (whose Python text goes to the log, never to the caller)."""
     if isinstance(err, ServiceError):
-        await context.abort(err.code, str(err))
+        return err.code, str(err)
     if isinstance(err, ValueError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
     log.error("internal error: %r", err, exc_info=err)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error (the server's log has the details)")
+    return grpc.StatusCode.INTERNAL, "internal error (the server's log has the details)"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, err: BaseException) -> None:
+    """End the call with the status of `err` (status_of)."""
+    await context.abort(*status_of(err))
 
 
 def deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:

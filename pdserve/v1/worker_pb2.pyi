@@ -92,25 +92,45 @@ class PrefillResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprobs]
     def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., first_token_logprobs: _Optional[_Union[_generate_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
-class DecodeRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("attach", "cancel")
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    attach: _containers.RepeatedScalarFieldContainer[str]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, attach: _Optional[_Iterable[str]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs")
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
+
+class DecodeUpdate(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "failure")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _generate_pb2.FinishReason
     usage: _generate_pb2.Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    failure: Failure
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

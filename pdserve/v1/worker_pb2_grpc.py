@@ -251,10 +251,10 @@ class DecodeWorkerStub(object):
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/pdserve.v1.DecodeWorker/Decode',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+        self.DecodeStream = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/DecodeStream',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeStreamResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Abort',
@@ -284,9 +284,12 @@ class DecodeWorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
-        """Streams the tokens of a reserved request (the first one computed by prefill) once its KV has arrived.
-        Cancelling the stream aborts the request and frees its pages.
+    def DecodeStream(self, request_iterator, context):
+        """Streams the tokens of many reserved requests on one call: a router opens one per decode worker and attaches
+        each request right after Reserve. Every engine step's new tokens of all the attached requests travel in one
+        message (not one message per token per request). A request's first token is the one prefill sampled. Cancelling
+        a request (or ending the call) aborts it and frees its pages. A request that fails ends with an update carrying
+        its status; the call itself stays up for the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -321,10 +324,10 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
             ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -381,7 +384,7 @@ class DecodeWorker(object):
             _registered_method=True)
 
     @staticmethod
-    def Decode(request,
+    def DecodeStream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -391,12 +394,12 @@ class DecodeWorker(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/pdserve.v1.DecodeWorker/Decode',
-            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            '/pdserve.v1.DecodeWorker/DecodeStream',
+            pdserve_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
