@@ -176,7 +176,8 @@ suite_profile() {  # profile.log, bench_c<C>.json, decode_c<C>.raw, router_c<C>.
   for _ in $(seq 300); do grep -q "pdserve is up" "$d/up.log" && break; sleep 1; done
   dec=$(pgrep -P "$up" -f "pdserve decode")
   for c in 32 1; do
-    python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts $((c * 10)) --input-len 512 --output-len 128 \
+    # At least 60 prompts: c=1 must still be running when py-spy starts (3 s in) and for its 8 s.
+    python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts $((c * 10 > 60 ? c * 10 : 60)) --input-len 512 --output-len 128 \
       --max-concurrency "$c" --no-progress --json "$d/bench_c$c.json" >"/tmp/profile_bench_c$c.txt" 2>&1 &
     local b=$!
     sleep 3

@@ -3,6 +3,7 @@ KV pool, and returns the last hidden state and logits of every row that samples.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -165,7 +166,11 @@ class ModelRunner:
             flat += r.request.pages
             flat += [scratch] * (width - len(r.request.pages))
         flat += [scratch] * (width * pad)
-        host = torch.tensor(flat, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        # NOTE: through array.array, not torch.tensor(flat): that converts int by int (57 vs 15 us for batch 32 with
+        # 40 pages each, on the engine's thread every decode step).
+        host = torch.frombuffer(array.array("q", flat), dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
         return PackedRows(host, len(rows), num_rows, width)
 
     def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
@@ -201,4 +206,4 @@ class ModelRunner:
     @staticmethod
     def decode_rows(reqs: list[Request]) -> list[TokenRow]:
         """Each request's last token at its last position (its KV is written first, then attended to)."""
-        return [TokenRow(r, r.num_tokens - 1, r.all_token_ids[-1]) for r in reqs]
+        return [TokenRow(r, r.num_tokens - 1, r.last_token_id) for r in reqs]

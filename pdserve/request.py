@@ -53,6 +53,11 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token_id(self) -> int:
+        """all_token_ids[-1] without copying both lists (every decode row needs it, every step)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -177,7 +177,7 @@ class NextNSpeculator:
         """
         if not reqs:
             return
-        rows = [TokenRow(r, r.num_tokens - 2, r.all_token_ids[-1]) for r in reqs]
+        rows = [TokenRow(r, r.num_tokens - 2, r.last_token_id) for r in reqs]
         logits, h = self.runner.mtp_rows(rows, hidden)
         for i, r in enumerate(reqs):
             r.spec = DraftState(r.num_tokens, hidden[i], logits[i], h[i])
@@ -302,7 +302,7 @@ class NextNSpeculator:
         todo = [i for i, s in enumerate(states) if s is not None and s.step1_logits is None]
         if todo:
             reqs = [rows[i].request for i in todo]
-            logits, h = self.runner.mtp_rows([TokenRow(r, r.num_tokens - 2, r.all_token_ids[-1]) for r in reqs],
+            logits, h = self.runner.mtp_rows([TokenRow(r, r.num_tokens - 2, r.last_token_id) for r in reqs],
                                              torch.stack([states[i].hidden for i in todo]))
             for j, i in enumerate(todo):
                 states[i].step1_logits, states[i].step1_hidden = logits[j], h[j]
@@ -327,7 +327,7 @@ class NextNSpeculator:
         """_verify for device drafts (rows, k): the verification rows take them on the device, and the drafts and
         the target's argmaxes come back to the host together, in the round's only device-to-host copy."""
         b, k = drafts_dev.shape
-        vrows = [TokenRow(row.request, row.request.num_tokens - 1 + m, row.request.all_token_ids[-1] if m == 0 else 0)
+        vrows = [TokenRow(row.request, row.request.num_tokens - 1 + m, row.request.last_token_id if m == 0 else 0)
                  for row in rows for m in range(k + 1)]
 
         def put_drafts(input_ids: torch.Tensor) -> None:  # rows [t_{n-1}, d_1..d_k] per request
@@ -358,7 +358,7 @@ class NextNSpeculator:
         for row, d in zip(rows, drafts):
             req = row.request
             n = req.num_tokens
-            vrows += [TokenRow(req, n - 1 + m, tok) for m, tok in enumerate([req.all_token_ids[-1], *d])]
+            vrows += [TokenRow(req, n - 1 + m, tok) for m, tok in enumerate([req.last_token_id, *d])]
         hidden, logits = self.runner.target_rows(vrows)  # (sum(k+1), D), (sum(k+1), vocab)
         target_ids = logits.argmax(dim=-1).tolist()  # greedy rows' targets, in one device->host copy
         return self._accept_rows(rows, drafts, draft_probs, target_ids, logits, hidden)

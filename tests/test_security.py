@@ -114,6 +114,11 @@ def test_internal_endpoints_require_the_token(secure_stack):
                 assert "--internal-token" in err.value.details()
             assert stub.GetLoad(pb.GetLoadRequest(), timeout=5,
                                 metadata=(("authorization", f"Bearer {TOKEN}"),)).num_total_pages == 256
+    with tls_channel(decode.address, ca) as ch:  # the streaming call that carries every request's tokens too
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.DecodeWorkerStub(ch).DecodeStream(iter([pb.DecodeStreamRequest(attach=["x"])]), timeout=5,
+                                                           metadata=(("authorization", "Bearer wrong"),)))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "--internal-token" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:  # plaintext is not served at all
         with grpc.insecure_channel(decode.address) as ch:
             pb_grpc.DecodeWorkerStub(ch).GetLoad(pb.GetLoadRequest(), timeout=3,
