@@ -55,6 +55,10 @@ class RouterConfig:
     max_concurrent_requests: int = 1024  # requests in flight on this router; beyond: RESOURCE_EXHAUSTED
     max_request_bytes: int = 16 << 20  # largest GenerateRequest accepted (gRPC answers RESOURCE_EXHAUSTED)
     tokenize_threads: int = 2  # long text prompts tokenized at once (the others wait their turn)
+    # After the first token (sent at once: TTFT), new tokens a client gets per message at least (a request's last
+    # message may carry fewer): fewer, larger messages for the router and its clients at high concurrency, like
+    # SGLang's --stream-interval. 1: each batch of tokens as it arrives (several when the router runs behind).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_new_tokens_limit is not None and self.max_new_tokens_limit < 1:
@@ -63,6 +67,8 @@ class RouterConfig:
             raise ValueError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
         if self.tokenize_threads < 1:
             raise ValueError(f"--tokenize-threads must be >= 1, got {self.tokenize_threads}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
 
 
 class Router:
@@ -340,11 +346,12 @@ class Router:
                 deadline_timer = asyncio.get_running_loop().call_later(
                     max(0.0, deadline - time.monotonic()), feed.put_nowait,
                     ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
+            interval = self.config.stream_interval
+            chunk = gen_pb.GenerateChunk()
             while True:
                 updates = [await feed.get()]
                 while not feed.empty():
                     updates.append(feed.get_nowait())
-                chunk = gen_pb.GenerateChunk()
                 done: Optional[pb.DecodeUpdate] = None
                 for update in updates:
                     if isinstance(update, BaseException):
@@ -369,6 +376,8 @@ class Router:
                 if not decoding:
                     decoding = True
                     decode.decoding += 1
+                if done is None and last is not None and len(chunk.token_ids) < interval:
+                    continue  # --stream-interval: after the first token, hold them until enough have come
                 now = time.monotonic()
                 if last is None:
                     m.ttft.observe(now - arrival)
@@ -379,6 +388,7 @@ class Router:
                 last = now
                 if chunk.token_ids or chunk.text or chunk.prompt_logprobs:
                     yield gen_pb.GenerateResponse(request_id=rid, chunk=chunk)
+                chunk = gen_pb.GenerateChunk()
                 if done is not None:
                     finished = True
                     resp = await prefill_task

@@ -13,6 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.sampling import SamplingParams
+from pdserve.serving.rpc_convert import sampling_to_proto
+from pdserve.v1 import generate_pb2 as gen_pb
+from pdserve.v1 import generate_pb2_grpc as gen_grpc
 
 from golden import GREEDY, PROMPTS, check_against_reference
 from stack import generate, load, scrape, start, start_all, start_stack, stop_all, wait_idle
@@ -152,3 +155,22 @@ def _decisions(router) -> dict[str, float]:
             if s.name == "pdserve_router_decisions_total":
                 out[s.labels["reason"]] = s.value
     return out
+
+
+def test_stream_interval_sends_the_first_token_then_n_at_a_time(stack_1p1d, reference, tiny_v3_dir, tmp_path):
+    """A second router with --stream-interval 5 on the same workers: the same tokens and text as the engine, the
+    first token alone, then messages of at least 5 tokens but the last (12 tokens: 1 + 5 + 5 + 1 at least)."""
+    outputs, _ = reference
+    router = start("router", ["--model", str(tiny_v3_dir), "--prefill", stack_1p1d.prefill[0].address,
+                              "--decode", stack_1p1d.decode[0].address, "--stream-interval", "5"], tmp_path, "r5")
+    try:
+        req = gen_pb.GenerateRequest(text=PROMPTS[0], sampling_params=sampling_to_proto(GREEDY))
+        with grpc.insecure_channel(router.address) as ch:
+            msgs = list(gen_grpc.GenerationStub(ch).Generate(req, timeout=60))
+    finally:
+        stop_all([router])
+    sizes = [len(m.chunk.token_ids) for m in msgs if m.HasField("chunk")]
+    streamed = [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids]
+    assert streamed == list(msgs[-1].complete.output_ids) == outputs[0].output_ids
+    assert "".join(m.chunk.text for m in msgs if m.HasField("chunk")) == outputs[0].new_text
+    assert sizes[0] == 1 and all(n >= 5 for n in sizes[1:-1]) and sum(sizes) == 12, sizes

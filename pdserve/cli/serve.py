@@ -277,9 +277,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                      help="largest request message accepted (default 16 MiB)")
     lim.add_argument("--tokenize-threads", type=int, default=2, metavar="N",
                      help="long text prompts tokenized at once, off the event loop (default 2)")
+    add_stream_interval_arg(lim)
     add_reliability_args(p, internal_server=False).add_argument(
         "--api-key", action="append", default=[], metavar="KEY",
         help="require 'authorization: Bearer KEY' from clients (repeatable: any of the keys)")
+
+
+def add_stream_interval_arg(group) -> None:
+    group.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                       help="after a request's first token (sent at once), stream its tokens N at a time (the last "
+                            "message may hold fewer): fewer, larger messages for the router and clients at high "
+                            "concurrency (default 1: every engine step's tokens as they come)")
 
 
 async def run_router(args: argparse.Namespace, on_ready=None) -> None:
@@ -337,7 +345,8 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
                           max_new_tokens_limit=getattr(args, "max_new_tokens_limit", None),
                           max_concurrent_requests=getattr(args, "max_concurrent_requests", 1024),
                           max_request_bytes=getattr(args, "max_request_bytes", 16 << 20),
-                          tokenize_threads=getattr(args, "tokenize_threads", 2))
+                          tokenize_threads=getattr(args, "tokenize_threads", 2),
+                          stream_interval=getattr(args, "stream_interval", 1))
     router = Router(config, pool, ownership, metrics, tokenizer)
     mport = _serve_metrics(metrics, args.metrics_port, args.host)
     server, port = await start_router(router)
