@@ -80,3 +80,26 @@ def test_bench_prefill_stages_runs_on_the_cpu(tmp_path, trained_model_dir):
                  "--iters", "1"]) == 0
     (row,) = json.loads((tmp_path / "prefill_stages.json").read_text())["rows"]
     assert row["prompt_tokens"] == 16 and all(row[k] > 0 for k in ("engine_ms", "mtp_kv_ms", "worker_ms"))
+
+
+def test_itl_counts_every_token_of_a_message_that_carries_several():
+    """A message of n tokens (--stream-interval, a router catching up) is n gaps of 1/n of its wait each."""
+    import asyncio
+
+    from pdserve.cli.bench import one_request
+    from pdserve.v1 import generate_pb2 as gen_pb
+
+    class Stub:
+        def Generate(self, req, timeout, metadata):
+            async def stream():
+                for sizes in ([1], [2, 3, 4], [5, 6]):
+                    await asyncio.sleep(0.02)
+                    yield gen_pb.GenerateResponse(chunk=gen_pb.GenerateChunk(token_ids=sizes))
+                yield gen_pb.GenerateResponse(complete=gen_pb.GenerateComplete(output_ids=[1, 2, 3, 4, 5, 6]))
+            return stream()
+
+    out = asyncio.run(one_request(Stub(), [7, 8], 6, 10.0, ()))
+    assert out.status == "OK" and out.output_len == 6
+    assert len(out.itls) == 5  # one per token after the first
+    assert out.itls[0] == out.itls[1] == out.itls[2] and out.itls[3] == out.itls[4]
+    assert sum(out.itls) >= 0.035  # the two waits after the first token, whole

@@ -3,7 +3,8 @@
 Random prompts of token ids (lengths drawn from [len * range_ratio, len]), optionally built on shared prefixes;
 arrivals at a Poisson rate (or all at once) and/or capped by a concurrency limit. Every request ends with its
 tokens or a status; the report gives request and token throughput, TTFT / ITL / TPOT / E2E mean, median and p99, and
-errors by status, as a table and optionally JSON.
+errors by status, as a table and optionally JSON. ITL is per token: a message carrying n tokens counts n gaps of
+1/n of its wait each (as SGLang's bench_serving does), so it stays comparable to a decode step.
 
     pdserve bench --target localhost:50051 --num-prompts 200 --input-len 256 --output-len 64 --request-rate 8
 """
@@ -88,8 +89,9 @@ async def one_request(stub, ids: list[int], max_new: int, timeout: float, metada
             if msg.HasField("chunk") and msg.chunk.token_ids:
                 if out.ttft is None:
                     out.ttft = now - start
-                else:
-                    out.itls.append(now - last)
+                else:  # a message of n tokens (--stream-interval, a router catching up): n gaps of 1/n each,
+                    n = len(msg.chunk.token_ids)  # as SGLang's bench_serving counts them
+                    out.itls.extend([(now - last) / n] * n)
                 last = now
             elif msg.HasField("complete"):
                 out.output_len = len(msg.complete.output_ids)
