@@ -217,7 +217,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
 
     def _release_unattached(self, stream) -> None:
         w = self.w
-        if stream.conn is not None or w.streams.streams.get(stream.request_id) is not stream:
+        if stream.conn is not None or w.streams.get(stream.request_id) is not stream:
             return
         w.streams.drop(stream.request_id, finished=True)
         log.info("request %s: no DecodeStream call attached it within %g s of its reservation; releasing it",

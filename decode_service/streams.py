@@ -73,6 +73,9 @@ class StreamHub:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.streams
 
+    def get(self, request_id: str) -> Optional[RequestStream]:
+        return self.streams.get(request_id)
+
     def open(self, request_id: str) -> RequestStream:
         stream = self.streams[request_id] = RequestStream(request_id, time.monotonic())
         return stream
