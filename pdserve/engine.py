@@ -18,6 +18,7 @@ from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner
 from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import CacheConfig, LatentKVPool
 from pdserve.model_runner import ModelRunner
+from pdserve.overlap import LaunchedDecode
 from pdserve.prefix_cache import PrefixCache
 from pdserve.request import FinishReason, Request
 from pdserve.sampling import (
@@ -43,6 +44,8 @@ class EngineConfig:
     prefix_chunk_tokens: int = 4096  # cached-prefix tokens decompressed per attention chunk in prefill
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)  # used on CUDA with graph-safe kernels
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # NextN drafting for decode rows
+    # Launch decode step N+1 before reading step N's tokens (pdserve.overlap); plain decode steps only.
+    overlap_schedule: bool = True
 
 
 class StepHooks:
@@ -122,6 +125,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self._prompt_logprobs: dict[str, dict[int, TokenLogprob]] = {}  # request id -> prompt position -> logprob
+        self._launched: Optional[LaunchedDecode] = None  # overlap scheduling: the decode step not yet read
+        self.num_overlapped_steps = 0
 
     def _capture_graphs(self, kernels: KernelBackends, max_model_len: int, progress: Optional[Callable[[str], None]]
                         ) -> tuple[Optional[DecodeGraphRunner], Optional[DecodeGraphRunner]]:
@@ -221,6 +226,8 @@ class LLMEngine:
         self._requests.pop(request_id, None)
         self._stops.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
+        if self._launched is not None and not self.scheduler.has_unfinished:
+            self._read_launched()  # it computed for aborted requests only: its pages go back now, not at a next step
         return req is not None
 
     def has_request(self, request_id: str) -> bool:
@@ -228,10 +235,57 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._launched is not None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. With overlap scheduling a plain decode step returns the outputs of the step before it
+        (its own are read by the next call); any other step reads the launched one first, then runs in order."""
+        if self.config.overlap_schedule and self.speculator is None and self.scheduler.next_step_decodes_only():
+            return self._overlapped_decode_step()
+        outputs = self._read_launched()
+        return outputs + self._step_in_order()
+
+    def _overlapped_decode_step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        assert not (scheduled.prefill or scheduled.preempted or scheduled.spec_decode), "not a plain decode step"
+        launched = None
+        if scheduled.decode:  # empty when every running request's newest token is its last
+            previous = self._launched
+            forward = self.runner.execute(scheduled, resolve_inputs=previous.resolve_inputs if previous else None)
+            tokens = self.sampler.sample(forward.logits, [r.params for r in forward.requests],
+                                         [r.generator for r in forward.requests])  # stays on the device
+            launched = LaunchedDecode.launch(forward.requests, tokens, self.pool.allocator, self.pool.page_size)
+            self.scheduler.update(scheduled)
+            self.num_overlapped_steps += 1
+        outputs = self._read_launched()  # the previous step, while the GPU runs this one
+        self._launched = launched
+        return outputs
+
+    def _read_launched(self) -> list[RequestOutput]:
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return []
+        outputs = []
+        for req, at, token in zip(launched.requests, launched.output_index, launched.read()):
+            if self._requests.get(req.request_id) is not req:
+                continue  # aborted, or finished on its previous token: this row's token is dropped
+            req.output_ids[at] = token
+            update = self._stops[req.request_id].update([token])
+            reason = update.finish_reason
+            if reason is None and req.num_prompt_tokens + at + 1 >= self.scheduler.config.max_model_len:
+                reason = FinishReason.LENGTH.value
+            if reason is not None:
+                # A later launched row computed this token's KV (right: its input was this token) and appended a
+                # placeholder after it, which goes.
+                del req.output_ids[at + 1:]
+                self._finish(req, reason)
+            outputs.append(RequestOutput(req.request_id, [token], update.text, reason is not None,
+                                         req.output_ids[: at + 1], reason, req.num_prompt_tokens,
+                                         req.num_cached_tokens))
+        return outputs
+
+    def _step_in_order(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -326,11 +380,14 @@ class LLMEngine:
         if reason is None and req.num_tokens >= self.scheduler.config.max_model_len:
             reason = FinishReason.LENGTH.value  # the context is full
         if reason is not None:
-            self.scheduler.finish(req, FinishReason(reason))
-            self._requests.pop(req.request_id)
-            self._stops.pop(req.request_id)
+            self._finish(req, reason)
         return RequestOutput(req.request_id, tokens, update.text, reason is not None, list(req.output_ids),
                              reason, req.num_prompt_tokens, req.num_cached_tokens, logprobs, prompt_logprobs)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, FinishReason(reason))
+        self._requests.pop(req.request_id)
+        self._stops.pop(req.request_id)
 
     def generate(self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  ) -> list[RequestOutput]:

@@ -43,8 +43,11 @@ class ModelRunner:
         self.graphs = graphs  # decode batches replay captured CUDA graphs when they fit a bucket
         self.mtp_graphs = mtp_graphs  # likewise for the MTP layer's rows (NextN drafting)
 
-    def execute(self, out: SchedulerOutput, layer_done: Optional[Callable[[int], None]] = None) -> ForwardOutput:
-        """layer_done(layer) is called as each layer of the prefill forward has written its KV."""
+    def execute(self, out: SchedulerOutput, layer_done: Optional[Callable[[int], None]] = None,
+                resolve_inputs: Optional[Callable[[torch.Tensor], None]] = None) -> ForwardOutput:
+        """layer_done(layer) is called as each layer of the prefill forward has written its KV. resolve_inputs(ids)
+        edits the decode rows' token ids on the device before they run (overlap scheduling: tokens the host has
+        not read yet)."""
         reqs: list[Request] = []
         hidden: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
@@ -59,11 +62,14 @@ class ModelRunner:
             logits.append(self.model.logits(h[keep]))
         if out.decode:
             rows = self.decode_rows(out.decode)
-            replayed = self._replay(self.graphs, rows)
+            replayed = self._replay(self.graphs, rows, patch=resolve_inputs)
             if replayed is not None:
                 h, step_logits = replayed  # (B, D), (B, vocab)
             else:
-                h = self.model(self.rows_batch(rows), self.pool.kv)  # (B, D)
+                batch = self.rows_batch(rows)
+                if resolve_inputs is not None:
+                    resolve_inputs(batch.input_ids)
+                h = self.model(batch, self.pool.kv)  # (B, D)
                 step_logits = self.model.logits(h)
             reqs += out.decode
             hidden.append(h)

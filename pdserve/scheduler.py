@@ -147,6 +147,8 @@ class Scheduler:
         for req in sorted((r for r in self.running if r.is_decoding), key=lambda r: r.arrival_time):
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted while making room for an earlier request
+            if self.reached_length_limit(req):
+                continue  # its newest token, not yet read by the host (overlap scheduling), is its last
             if self.spec_steps:
                 k = self._num_drafts(req, budget)
                 # Draft positions only take free (or evictable) pages; when those run short the row shrinks to a
@@ -189,6 +191,25 @@ class Scheduler:
             out.prefill.append(PrefillChunk.of(req, cached, n))
             budget -= n
         return out
+
+    def reached_length_limit(self, req: Request) -> bool:
+        """req has all the tokens max_new_tokens or the context allow (the engine finishes it as it reads the last
+        one; only overlap scheduling, which reads tokens one step late, asks before that)."""
+        return (len(req.output_ids) >= req.params.max_new_tokens
+                or req.num_tokens >= self.config.max_model_len)
+
+    def next_step_decodes_only(self) -> bool:
+        """Whether the next schedule() is certain to be plain decode rows, without a prompt, a preemption or
+        logprobs: the step overlap scheduling may launch before it reads the previous one."""
+        if self.spec_steps or self.waiting or not self.running:
+            return False
+        new_pages = 0
+        for req in self.running:
+            if not req.is_decoding or req.params.logprobs is not None:
+                return False
+            if len(req.pages) * self.page_size < req.num_tokens and not self.reached_length_limit(req):
+                new_pages += 1  # its row crosses into a new page
+        return new_pages <= self.allocator.num_free
 
     def _num_drafts(self, req: Request, budget: int) -> int:
         # A row yields at most 1 + k tokens: never more than max_new_tokens or the context allow, so neither the

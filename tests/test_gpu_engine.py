@@ -74,3 +74,32 @@ def test_fp8_checkpoint_logits_on_gpu(tiny_v3_fp8_dir):
     err = ((logits["cuda"] - logits["cpu"]).abs().max() / logits["cpu"].abs().max()).item()
     print(f"GPU vs CPU logits on the FP8 tiny model (fp32): max rel err {err:.2e}")
     assert err < 1e-3
+
+
+def test_overlap_scheduling_under_cuda_graphs_gives_the_in_order_tokens(tiny_v3_dir, trained_model_dir):
+    """Decode steps launched before the previous one is read (placeholders resolved on the device before each graph
+    replay): the tokens of the in-order engine, fp32 on the tiny model with stops, seeds and a late arrival, and bf16
+    on the demo model (same batch shapes both ways, so the same rounding)."""
+    from test_overlap import PROMPTS as OVERLAP_PROMPTS, run as run_script
+
+    if "triton" not in ATTENTION_BACKENDS or "triton" not in MOE_BACKENDS:
+        pytest.skip("CUDA graphs need the triton backends")
+
+    def engine(model_dir, dtype, overlap):
+        return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, device="cuda", attention_backend="triton",
+                                      moe_backend="triton", gemm_backend="torch", overlap_schedule=overlap,
+                                      cache=CacheConfig(page_size=16, num_pages=256),
+                                      cuda_graph=CudaGraphConfig(enabled=True, max_bs=8)))
+
+    sampled = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)
+    stop_at = run(tiny_v3_dir, "cpu")[0][0][5]
+    script = {0: [("add", "greedy", OVERLAP_PROMPTS[0], GREEDY), ("add", "sampled", OVERLAP_PROMPTS[1], sampled),
+                  ("add", "stops", OVERLAP_PROMPTS[0], SamplingParams(max_new_tokens=24, stop_token_ids=(stop_at,)))],
+              4: [("add", "late", OVERLAP_PROMPTS[3], GREEDY)]}
+    for model_dir, dtype in ((tiny_v3_dir, "float32"), (trained_model_dir, "bfloat16")):
+        in_order, overlapped = engine(model_dir, dtype, False), engine(model_dir, dtype, True)
+        expected, got = run_script(in_order, script), run_script(overlapped, script)
+        assert overlapped.runner.graphs is not None and overlapped.runner.graphs.replays > 0
+        assert overlapped.num_overlapped_steps > 0 and in_order.num_overlapped_steps == 0
+        assert got == expected, f"{dtype}: overlap scheduling changed the tokens"
+        assert overlapped.kv_pages_in_use_by_requests() == 0 and not overlapped.has_unfinished

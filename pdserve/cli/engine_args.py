@@ -89,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (to compare)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="largest decode batch captured in a CUDA graph (default 64)")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens before launching the next (default: the next step is "
+                        "launched first, so the host's work per step hides behind the GPU's)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--num-pages", type=int, default=2048, help="pages in the latent KV pool (default 2048)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -132,6 +135,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         model_dir=args.model, dtype=args.dtype, device=device, load_format=args.load_format,
         attention_backend=attention, moe_backend=moe, gemm_backend=gemm,
         cuda_graph=CudaGraphConfig(enabled=graphed_decode, max_bs=args.cuda_graph_max_bs),
+        overlap_schedule=not args.disable_overlap_schedule,
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
         speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_num_steps,
                                       args.speculative_num_draft_tokens),
