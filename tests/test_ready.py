@@ -30,8 +30,8 @@ from stack import REPO, free_port, generate, start_stack
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 # A plan with every phase (GPU-like, small): prompts of 1 token, one chunk and a chunk and a bit (chunked), several
 # prompts in one step, decode batches, a prompt joining decoding requests.
-FULL_PLAN = WarmupPlan(prompt_lens=(1, 17, 32, 49), prompt_batch=4, decode_batches=(1, 2, 4), decode_tokens=5,
-                       mixed=True)
+FULL_PLAN = WarmupPlan(prompt_lens=(1, 17, 32, 49), prompt_batch=4, split_prompt_len=21, decode_batches=(1, 2, 4),
+                       decode_tokens=5, mixed=True)
 
 
 def engine_for(model_dir, speculate: bool = False) -> LLMEngine:
@@ -54,8 +54,8 @@ def test_warmup_leaves_the_engine_as_it_was(tiny_v3_dir, speculate):
     free = engine.pool.allocator.num_free
     said = []
     report = warm_up(engine, FULL_PLAN, said.append)
-    assert report.requests == 4 + 4 + 1 + 2 + 4 + 3 and report.steps > 0
-    assert len(said) == len(report.phases) == 9 and all(s.startswith("warm-up: ") for s in said)
+    assert report.requests == 4 + 4 + 3 + 1 + 2 + 4 + 3 and report.steps > 0
+    assert len(said) == len(report.phases) == 10 and all(s.startswith("warm-up: ") for s in said)
     assert not engine.has_unfinished and engine.kv_pages_in_use_by_requests() == 0
     assert engine.pool.allocator.num_free == free and engine.prefix_cache.num_cached_pages == 0
     assert [o.output_ids for o in engine.generate(PROMPTS, params)] == want
@@ -109,6 +109,11 @@ def test_gpu_plans_cover_chunks_graph_buckets_and_eager_batches():
     assert decode.decode_batches == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128) and decode.prompt_lens == (1,)
     assert alone.mixed and alone.decode_batches == decode.decode_batches
     assert plan_for(_cuda_engine_stub(1024), "prefill").prompt_lens == (1, 17, 1023)  # the context caps the chunk
+    # ... and a prompt split across steps beside others comes from 3 prompts of 1041 tokens (2048 // 2 + 17), or of
+    # the longest the context allows (1023: the third is split, 2 of its tokens in the first step).
+    assert prefill.split_prompt_len == 1041 and decode.split_prompt_len == 0 and alone.split_prompt_len == 1041
+    assert plan_for(_cuda_engine_stub(1024), "prefill").split_prompt_len == 1023
+    assert plan_for(_cuda_engine_stub(600), "prefill").split_prompt_len == 0  # 3 x 599 fit one step: no split
     assert plan_for(_cuda_engine_stub(4096, spec_steps=3), "decode").decode_tokens == 10  # a full NextN round
 
 

@@ -5,7 +5,7 @@ call of each attention backend plans its work (FlashInfer). A worker that said S
 requests wait behind those compiles, long enough for the router to drop it (FACTS.md section 9: 63 of 64 requests
 failed right after a cold start). CUDA graphs are captured when the engine is built (pdserve/cuda_graph.py); this
 runs the rest: prompts of the sizes that matter (1 token, one prefill chunk, a chunk and a bit, several prompts in
-one step) and a decode batch per captured decode bucket.
+one step, a prompt split across steps beside others) and a decode batch per captured decode bucket.
 
 It drives the engine only through its public API (`add_request`, `step`, `abort`, `has_unfinished`) and leaves it as
 it was: no request, no page held, the prefix cache as before (it must be empty then; the warm-up's blocks are
@@ -34,6 +34,10 @@ class WarmupPlan:
 
     prompt_lens: tuple[int, ...] = ()  # one prompt each, one new token: prefill shapes (chunked beyond the budget)
     prompt_batch: int = 0  # then this many short prompts admitted together: several prompts in one prefill step
+    # Then 3 prompts of this many tokens admitted together, 2 of them over a step's budget: the second is split, and
+    # its rest runs in the next step beside the third, attending to its first part read from the pool (the
+    # prefix-attention kernels with several prompts in the step: what a busy prefill worker runs all the time).
+    split_prompt_len: int = 0
     decode_batches: tuple[int, ...] = ()  # then one batch each: short prompts admitted together, then decode steps
     decode_tokens: int = 3  # new tokens per request of a decode batch (>= 2: at least one decode step)
     # Then a prompt admitted while others decode: a step with prompt and decode rows together. Only a single-process
@@ -73,6 +77,12 @@ def plan_for(engine: LLMEngine, role: str) -> WarmupPlan:
     # One chunk, and a chunk and a bit (its second chunk reads the first from the pool); the longest prompt when
     # the context is shorter than a chunk.
     lens = sorted({min(n, longest) for n in (1, PROMPT_ODD, chunk, chunk + PROMPT_ODD) if longest >= 1})
+    # 3 prompts of n tokens: the first whole and part of the second in one step, the rest of the second (34
+    # tokens) and the third in the next. n is no divisor of the chunk, so that the split falls inside a prompt.
+    split = min(longest, chunk // 2 + PROMPT_ODD)
+    split -= 1 if split > 2 and chunk % split == 0 else 0
+    if not prefills or split < 2 or 3 * split <= chunk or 3 * (split + engine.pool.page_size) > capacity:
+        split = 0
     if prefills:
         # A prefill worker also runs the NextN layer one token per prompt (the MTP KV it ships): a decode step of
         # batch 1 compiles the same decode-attention kernels.
@@ -88,8 +98,8 @@ def plan_for(engine: LLMEngine, role: str) -> WarmupPlan:
         batches = tuple(sorted({b for b in buckets if b <= top} | ({top} if top > max(buckets) else set())))
     width = spec.num_steps + 1 if spec.enabled else 1
     # Enough tokens that a speculative batch runs a full draft/verify round after the first one.
-    return WarmupPlan(prompt_lens=tuple(lens), prompt_batch=prompt_batch, decode_batches=batches,
-                      decode_tokens=2 + 2 * width, mixed=prefills and decodes)
+    return WarmupPlan(prompt_lens=tuple(lens), prompt_batch=prompt_batch, split_prompt_len=split,
+                      decode_batches=batches, decode_tokens=2 + 2 * width, mixed=prefills and decodes)
 
 
 def warm_up(engine: LLMEngine, plan: WarmupPlan, say: Optional[Callable[[str], None]] = None,
@@ -145,6 +155,9 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan, say: Optional[Callable[[str], N
         if plan.prompt_batch:
             run(f"{plan.prompt_batch} prompts of {PROMPT_ODD} tokens in one step",
                 [prompt(PROMPT_ODD) for _ in range(plan.prompt_batch)], 1)
+        if plan.split_prompt_len:
+            run(f"3 prompts of {plan.split_prompt_len} tokens, one split across steps",
+                [prompt(plan.split_prompt_len) for _ in range(3)], 1)
         page = engine.pool.page_size
         for b in plan.decode_batches:
             per_request = -(-(PROMPT_ODD + plan.decode_tokens) // page) + 1
