@@ -25,6 +25,11 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              concurrency 1 8 32 128, demo model and V3 slice, the engine alone on the same prompts; cold kernel
              caches first (~4 min on an H200; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
   kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
+  overlap    overlap scheduling on and off through the product: bench_serving.py on the demo model at concurrency 1
+             and 32, once as shipped and once with --disable-overlap-schedule on both sides (~3 min)
+  ttft       where a prompt's time goes: the prefill step in one process (engine, + hooks, the worker's own) with
+             torch.profiler tables, then through `pdserve up` (demo model) at concurrency 1 and 32 with the stack's
+             own stage metrics (router TTFT, prefill worker TTFT, KV transfer) (~2 min)
   profile    py-spy on the decode worker and the router while pdserve bench drives pdserve up (demo model) at
              concurrency 32 and 1: where the stack's host time goes (~2 min; needs py-spy in .whl/)
   kv-ipc     one GPU: the cuda_ipc KV-transfer tests, bench_kv_transfer.py --backend cuda_ipc (V3-slice and 61-layer
@@ -154,6 +159,44 @@ suite_serving() {  # serving.json, serving.md, and per model its up.log, bench_c
   step 560 python3 benchmarks/bench_serving.py --out "$d" --cold "$@"
 }
 
+suite_overlap() {  # shipped/ and in_order/: serving.json and serving.md of each
+  local d=$1
+  shift
+  step 280 python3 benchmarks/bench_serving.py --out "$d/shipped" --models demo --concurrency 1 32 "$@"
+  step 280 python3 benchmarks/bench_serving.py --out "$d/in_order" --models demo --concurrency 1 32 \
+    --engine-arg=--disable-overlap-schedule "$@"
+}
+
+suite_ttft() {  # prefill_stages.json, up.log, bench_c<C>.json, prefill_c<C>.raw; stage means and profiles in ttft.log
+  local d=$1 port up pre c spy=
+  shift
+  command -v py-spy >/dev/null || export PATH=/tmp/site/bin:$PATH
+  step 150 python3 benchmarks/bench_prefill_stages.py --out "$d" --model models/tiny-trained --lengths 512 1536 --profile
+  port=$((52100 + RANDOM % 1000))
+  python3 -m pdserve up --device cuda --port "$port" --no-http --metrics-port 0 "$@" >"$d/up.log" 2>&1 &
+  up=$!
+  for _ in $(seq 300); do grep -q "pdserve is up" "$d/up.log" && break; sleep 1; done
+  pre=$(pgrep -P "$up" -f "pdserve prefill")
+  for c in 1 32; do
+    python3 benchmarks/stage_times.py "$d/up.log" --save /tmp/stages.json
+    # Prompts only (2 new tokens): the prefill worker's rate. With py-spy (in .whl/), it samples the prefill
+    # worker for 3 s of each run (at least 120 prompts: ~4 s at c=1).
+    spy=
+    if command -v py-spy >/dev/null; then
+      (sleep 0.5; py-spy record -p "$pre" -d 3 -r 250 -f raw --threads --nonblocking -o "$d/prefill_c$c.raw" \
+        >/dev/null 2>&1) &
+      spy=$!
+    fi
+    step 120 python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts $((c * 8 > 120 ? c * 8 : 120)) \
+      --input-len 512 --output-len 2 --max-concurrency "$c" --no-progress --json "$d/bench_c$c.json"
+    echo "stages of TTFT, demo model, 512-token prompts, concurrency $c:"
+    python3 benchmarks/stage_times.py "$d/up.log" --since /tmp/stages.json
+    [ -n "$spy" ] && wait "$spy"
+    [ -f "$d/prefill_c$c.raw" ] && python3 benchmarks/pyspy_summary.py "$d/prefill_c$c.raw" --top 40
+  done
+  kill -INT "$up"; wait "$up"
+}
+
 suite_kv() {
   local d=$1
   shift
@@ -263,7 +306,7 @@ case "$suite" in
     need_gpus 2 kv
     setup_env
     run_suite kv "$@" ;;
-  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | profile)
+  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | overlap | ttft | profile)
     need_gpus 1 "$suite"
     setup_env
     run_suite "$suite" "$@" ;;
