@@ -83,6 +83,10 @@ class PageAllocator:
         self._refcount = [0] * num_pages
         self._free = list(range(num_pages))  # already a valid min-heap
         self._num_free = num_pages
+        # Pages the prefix cache registered (it holds one reference to each), and how many of those it alone holds:
+        # kept as references change, because counting them is a walk over the whole cache (every step, for a gauge).
+        self._tracked = [False] * num_pages
+        self._num_tracked_alone = 0
 
     def alloc(self, n: int) -> list[int] | None:
         """Take `n` free pages with a reference count of 1 each; None (and nothing taken) if fewer are free."""
@@ -103,6 +107,8 @@ class PageAllocator:
             assert 0 <= p < self.num_pages, f"page {p} out of range [0, {self.num_pages})"
             assert self._refcount[p] > 0, f"incref of free page {p}"
             self._refcount[p] += 1
+            if self._tracked[p] and self._refcount[p] == 2:
+                self._num_tracked_alone -= 1
 
     def decref(self, pages: Sequence[int]) -> None:
         """Drop one holder from each page; a page with no holders left returns to the free list."""
@@ -112,8 +118,24 @@ class PageAllocator:
             assert self._refcount[p] > 0, f"decref of free page {p}"
             self._refcount[p] -= 1
             if self._refcount[p] == 0:
+                assert not self._tracked[p], f"page {p} freed while the prefix cache still has it"
                 heapq.heappush(self._free, p)
                 self._num_free += 1
+            elif self._refcount[p] == 1 and self._tracked[p]:
+                self._num_tracked_alone += 1
+
+    def track(self, page: int, tracked: bool) -> None:
+        """Mark a page the prefix cache registers (True, after taking its reference) or drops (False, before letting
+        it go), so that `num_tracked_alone` follows it."""
+        assert self._refcount[page] > 0 and self._tracked[page] != tracked, f"page {page}: track({tracked})"
+        self._tracked[page] = tracked
+        if self._refcount[page] == 1:
+            self._num_tracked_alone += 1 if tracked else -1
+
+    @property
+    def num_tracked_alone(self) -> int:
+        """Tracked pages with one reference: the prefix cache's pages that no request holds."""
+        return self._num_tracked_alone
 
     def refcount(self, page: int) -> int:
         assert 0 <= page < self.num_pages, f"page {page} out of range [0, {self.num_pages})"

@@ -88,6 +88,7 @@ class PrefixCache:
             if block is None:
                 assert page not in self._page_key, f"page {page} is already registered under another key"
                 self.allocator.incref([page])  # the cache's own reference
+                self.allocator.track(page, True)
                 block = _Block(page=page, parent=parent)
                 self._blocks[key] = block
                 self._page_key[page] = key
@@ -113,6 +114,7 @@ class PrefixCache:
             _, key = heapq.heappop(heap)
             block = self._blocks.pop(key)
             del self._page_key[block.page]
+            self.allocator.track(block.page, False)
             self.allocator.decref([block.page])
             removed.append(key)
             if block.parent is not None:
@@ -166,7 +168,7 @@ class PrefixCache:
     @property
     def num_cache_only_pages(self) -> int:
         """Registered pages that no request holds (refcount 1: the cache's own reference)."""
-        return sum(1 for block in self._blocks.values() if self.allocator.refcount(block.page) == 1)
+        return self.allocator.num_tracked_alone  # kept by the allocator: this gauge is read every step
 
     def hashes(self) -> list[bytes]:
         """Keys currently registered, in registration order."""

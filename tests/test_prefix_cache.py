@@ -219,3 +219,44 @@ def test_everything_released_after_requests_finish_and_reset():
     assert freed > 0 and sum(len(e) for e in evicted) >= freed
     assert cache.num_cached_pages == 0 and cache.hashes() == []
     assert alloc.num_used == 0 and alloc.num_free == 64
+
+
+def test_cache_only_count_follows_every_reference_change():
+    """num_cache_only_pages is kept by the allocator as references change (read every step for a gauge): under
+    random requests that share prefixes, finish, hold duplicates of cached blocks and trigger evictions, it always
+    equals the count it replaces (registered pages whose only holder is the cache)."""
+    import random
+
+    rng = random.Random(5)
+    alloc, cache, _ = make(num_pages=48, page_size=4)
+    stems = [[rng.randrange(100) for _ in range(12)] for _ in range(4)]
+    held: list[list[int]] = []
+    for _ in range(400):
+        if held and (rng.random() < 0.45 or alloc.num_free < 8):
+            alloc.decref(held.pop(rng.randrange(len(held))))  # a request finishes
+        else:
+            tokens = rng.choice(stems)[: rng.randrange(1, 13)] + [rng.randrange(100) for _ in range(rng.randrange(9))]
+            if rng.random() < 0.2:  # computed without the cache (prompt logprobs): own pages, published after
+                pages = cache.alloc_with_eviction(-(-len(tokens) // 4))
+                if pages is not None:
+                    cache.insert(tokens, pages)
+            else:
+                pages, _ = cache.match(tokens)
+                new = cache.alloc_with_eviction(-(-len(tokens) // 4) - len(pages))
+                if new is None:
+                    alloc.decref(pages)
+                    pages = None
+                else:
+                    pages += new
+                    cache.insert(tokens, pages)
+            if pages is not None:
+                held.append(pages)
+        if rng.random() < 0.05:
+            cache.reset()
+        scanned = sum(1 for b in cache._blocks.values() if alloc.refcount(b.page) == 1)
+        assert cache.num_cache_only_pages == scanned
+    for pages in held:
+        alloc.decref(pages)
+    assert cache.num_cache_only_pages == cache.num_cached_pages
+    cache.reset()
+    assert cache.num_cache_only_pages == 0 and alloc.num_free == 48
