@@ -252,7 +252,8 @@ class LLMEngine:
         launched = None
         if scheduled.decode:  # empty when every running request's newest token is its last
             previous = self._launched
-            forward = self.runner.execute(scheduled, resolve_inputs=previous.resolve_inputs if previous else None)
+            resolve = previous.resolver_for(scheduled.decode) if previous else None
+            forward = self.runner.execute(scheduled, resolve_inputs=resolve)
             tokens = self.sampler.sample(forward.logits, [r.params for r in forward.requests],
                                          [r.generator for r in forward.requests])  # stays on the device
             launched = LaunchedDecode.launch(forward.requests, tokens, self.pool.allocator, self.pool.page_size)

@@ -77,6 +77,8 @@ class ModelRunner:
         if not reqs:
             empty = torch.empty(0, self.model.cfg.hidden_size, device=self.device)
             return ForwardOutput(reqs, empty.new_empty(0, 0), empty, extend_hidden)
+        if len(logits) == 1:  # prompts only or decode rows only: nothing to join (a copy of every logit, each step)
+            return ForwardOutput(reqs, logits[0], hidden[0], extend_hidden)
         return ForwardOutput(reqs, torch.cat(logits), torch.cat(hidden), extend_hidden)
 
     # ---- NextN/MTP layer KV ---------------------------------------------------------------------------------------

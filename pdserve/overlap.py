@@ -16,7 +16,7 @@ that finishes on step N's token (EOS, stop string) got a row in step N+1 all the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,6 +63,18 @@ class LaunchedDecode:
             index.append(len(r.output_ids))
             r.output_ids.append(placeholder(row))
         return cls(requests, index, tokens, host, copied, held, allocator)
+
+    def resolver_for(self, requests: list[Request]) -> Callable[[torch.Tensor], None]:
+        """What fixes the input ids of the next step's rows `requests` (see resolve_inputs). In the steady state the
+        next step's first rows are this step's, in order (new requests after them, finished ones gone at the end):
+        then one copy does it, instead of resolve_inputs' six small kernels (15% of the decode thread at c=32)."""
+        k, launched = 0, self.requests
+        while k < len(requests) and k < len(launched) and requests[k] is launched[k]:
+            k += 1
+        if any(r.last_token_id < 0 for r in requests[k:]):  # a placeholder further down: rows moved
+            return self.resolve_inputs
+        tokens = self.tokens
+        return lambda input_ids: input_ids[:k].copy_(tokens[:k])
 
     def resolve_inputs(self, input_ids: torch.Tensor) -> None:
         """The next step's input ids (on the device, before it runs): placeholders -> this step's tokens."""
