@@ -225,7 +225,9 @@ suite_profile() {  # profile.log, bench_c<C>.json, decode_c<C>.raw, router_c<C>.
     local b=$!
     sleep 3
     py-spy record -p "$dec" -d 8 -r 250 -f raw --threads --nonblocking -o "$d/decode_c$c.raw" >/dev/null 2>&1 &
+    local spy=$!
     py-spy record -p "$up" -d 8 -r 250 -f raw --threads --nonblocking -o "$d/router_c$c.raw" >/dev/null 2>&1
+    wait "$spy"  # its file is written when it exits
     wait "$b"
     tail -20 "/tmp/profile_bench_c$c.txt"
     python3 benchmarks/pyspy_summary.py "$d/decode_c$c.raw" --top 25
