@@ -154,6 +154,19 @@ class SendHandle(ABC):
         """Queue `values: (num_tokens, kv_dim)`, the rows themselves (see `send_rows`)."""
         self.send_rows(layer, values)
 
+    # Whether a prompt's rows are best handed over layer by layer, as each layer's forward writes them (True: the
+    # transfer overlaps the remaining layers, worth it where rows cross a socket or a link), or all layers at once
+    # after the forward with `send_layers` (False: a device copy of microseconds, where one hand-off per layer and
+    # prompt would only add host work on the prefill engine's thread).
+    streams_layers: bool = True
+
+    def send_layers(self, first_layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """`send_rows` for layers `first_layer .. first_layer + source.shape[0] - 1` at once: `source` is a run of
+        the pool's layers `(num_layers, num_slots, kv_dim)` (or the rows themselves `(num_layers, num_tokens,
+        kv_dim)` without slots). Transports that move every layer in one copy override it."""
+        for i in range(source.shape[0]):
+            self.send_rows(first_layer + i, source[i], slots)
+
     @abstractmethod
     def finish(self, aux: dict[str, Any]) -> None:
         """Queue the aux record after all layers: `first_token_id: int`, `cached_tokens: int`,

@@ -7,7 +7,9 @@ the TCP receiver does) or "cuda_ipc". A cuda_ipc room goes:
     BEGIN {room, num_layers, pages} ->        checked against the reservation (pages, layers): nothing of the
                                                peer's is written anywhere before this answer
     <- GRANT {room, num_tokens}                from now on the sender may write into those pages
-    LAYER {room, layer, num_tokens}  (xN) ->   layer k's device copy is queued behind its forward
+    LAYER {room, layer | layers, num_tokens} -> the device copy of layer k (or of the run of layers: the
+                                               prefill engine sends a prompt's layers in one) is queued behind
+                                               its forward; as many as it takes to cover every layer
     AUX {...} ->                               sent once the sender saw all its copies complete: on_layer for
                                                each layer, then on_done
     ABORT {room} ->                            the sender failed or dropped the room *and* saw its copies complete
@@ -213,14 +215,17 @@ class CudaIpcKVReceiver(TcpKVReceiver):
                 raise ProtocolError(f"{kind} frame for room {room} before its BEGIN was granted")
             if kind == AUX:
                 return super()._on_data(conn, kind, header, payload)
-            layer, n = header.get("layer"), header.get("num_tokens")
-            if not (_is_int(layer) and 0 <= layer < r.num_layers) or layer in r.layers or n != r.num_tokens:
+            # One layer ("layer") or several copied at once ("layers": a prompt's whole run, see send_layers).
+            layers, n = header["layers"] if "layers" in header else [header.get("layer")], header.get("num_tokens")
+            if (not isinstance(layers, list) or not layers or len(set(map(repr, layers))) != len(layers)
+                    or not all(_is_int(layer) and 0 <= layer < r.num_layers and layer not in r.layers
+                               for layer in layers) or n != r.num_tokens):
                 # Copies stayed inside the granted pages; the sender just disagrees about the room: fail it only.
-                self._drop_locked(r, "protocol", f"room {room}: bad LAYER announcement (layer {layer!r} of "
-                                                 f"{r.num_layers}, {n!r} tokens, {r.num_tokens} expected)")
+                self._drop_locked(r, "protocol", f"room {room}: bad LAYER announcement (layers {str(layers)[:80]} "
+                                                 f"of {r.num_layers}, {n!r} tokens, {r.num_tokens} expected)")
                 return
-            r.layers.add(layer)
-            r.announced.append(layer)
+            r.layers.update(layers)
+            r.announced.extend(layers)
 
     def _begin_locked(self, conn: _IpcPeer, r: _IpcRoom, header: dict[str, Any]) -> None:
         if r.granted:

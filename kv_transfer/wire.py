@@ -7,7 +7,8 @@
 Frame kinds, sender -> receiver: HELLO {layout, version, token}; LAYER {room, layer, num_tokens, crc32} + rows;
 AUX {room, fields, hidden_dtype, hidden_shape, hidden_nbytes, rng_nbytes, crc32} + hidden bytes + rng blob;
 ABORT {room}. Receiver -> sender: HELLO_OK; HELLO_ERROR {message, error_kind}; ROOM_DONE {room};
-ROOM_FAILED {room, error_kind, message}.
+ROOM_FAILED {room, error_kind, message}. (The cuda_ipc pairing adds BEGIN/GRANT, and its LAYER frames carry no
+rows and may name several layers: `cuda_ipc_receiver.py`.)
 
 `crc32` (zlib.crc32 of the frame's payload) is optional on the wire and sent by default: TCP's own 16-bit checksum
 lets rare corruption through, and a corrupted KV row would silently produce wrong tokens, so the receiver fails the

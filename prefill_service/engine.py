@@ -6,8 +6,10 @@ is a request that ends after its first token, and the hooks ship its KV and its 
 
 Layer-wise streaming: when a step holds a prompt's final chunk, each layer's KV rows for the whole prompt are
 handed to the sender as soon as that layer's forward has written them, so the transfer overlaps the remaining
-layers (`layerwise=False` sends them all after the forward instead, to compare). The NextN/MTP layer's KV follows
-once the first token is known (its last position needs that token).
+layers (`layerwise=False` sends them all after the forward instead, to compare). Transports whose copy is a GPU copy
+of microseconds (cuda_ipc: `SendHandle.streams_layers` False) take every layer of the prompt in one `send_layers`
+after the forward instead: one gather and one announcement per prompt, not per layer. The NextN/MTP layer's KV
+follows once the first token is known (its last position needs that token).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from pdserve.common.blocks import block_hashes
 from pdserve.common.values import TokenLogprob
 from pdserve.engine import LLMEngine, StepHooks
+from pdserve.kv_cache import token_slots
 from pdserve.kv_transfer import KVSender, SendHandle
 from pdserve.request import Request
 from pdserve.sampling import SamplingParams
@@ -127,33 +130,45 @@ class PrefillEngine(StepHooks):
     # ---- StepHooks: called inside LLMEngine.step -------------------------------------------------------------------
     def on_layer_done(self, prompts: list[Request], layer: int) -> None:
         if self.layerwise:
-            self._ship(prompts, layer)
+            streaming = [req for req in prompts if self._jobs[req.request_id][1].streams_layers]
+            if streaming:
+                self._ship(streaming, layer)
 
     def on_prefilled(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
-        if not self.layerwise:
-            for layer in range(self.num_main_layers):
-                self._ship(prompts, layer)
+        main = self.num_main_layers
+        for req in prompts:  # every layer at once where it was not streamed
+            handle = self._jobs[req.request_id][1]
+            if not (self.layerwise and handle.streams_layers):
+                handle.send_layers(0, self.pool.kv[:main], self._slots_of(req))
         # The MTP layer's KV at the last prompt position needs the first token.
         rows = [i for i, req in enumerate(prompts) if self._jobs[req.request_id][0].ships_mtp]
         if rows:  # (add() admitted such a job only where this worker computes the MTP layer)
             shipping = [prompts[i] for i in rows]
             self.core.runner.mtp_decode(shipping, [first_tokens[i] for i in rows], hidden[rows])
-            for layer in range(self.num_main_layers, self.num_main_layers + self._num_mtp_layers):
-                self._ship(shipping, layer)
-        for req, tok, h in zip(prompts, first_tokens, hidden):
+            for req in shipping:
+                self._jobs[req.request_id][1].send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
+                                                          self._slots_of(req))
+        hidden_host = hidden.detach().to("cpu", torch.float32)  # (prompts, D): one copy for the step's prompts
+        for req, tok, h in zip(prompts, first_tokens, hidden_host):
             self._jobs[req.request_id][1].finish({
                 "first_token_id": tok, "cached_tokens": req.num_cached_tokens,
-                "hidden": h.detach().to("cpu", torch.float32).clone(), "rng_state": _rng_state(req.generator)})
+                "hidden": h.clone(), "rng_state": _rng_state(req.generator)})
         self._slots.clear()
 
     def _ship(self, prompts: list[Request], layer: int) -> None:
         """Hand the transport the pool's layer and each prompt's slots: it gathers the rows once, into memory it
         owns, so the pool may move on at once."""
         for req in prompts:
-            slots = self._slots.get(req.request_id)
-            if slots is None:
-                slots = self._slots[req.request_id] = self.pool.slots_for(req.pages, 0, req.num_prompt_tokens)
-            self._jobs[req.request_id][1].send_rows(layer, self.pool.kv[layer], slots)  # slots: (prompt tokens,)
+            self._jobs[req.request_id][1].send_rows(layer, self.pool.kv[layer], self._slots_of(req))
+
+    def _slots_of(self, req: Request) -> torch.Tensor:
+        """The prompt's slots `(prompt tokens,)` on the pool's device, made once per step (uploaded without
+        waiting for the GPU)."""
+        slots = self._slots.get(req.request_id)
+        if slots is None:
+            slots = self._slots[req.request_id] = self.core.runner.staging.upload(
+                token_slots(req.pages, req.num_prompt_tokens, self.pool.page_size))
+        return slots
 
 
 def _rng_state(gen: Optional[torch.Generator]) -> bytes:

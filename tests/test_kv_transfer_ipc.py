@@ -180,6 +180,12 @@ def test_scatter_pages_lands_rows_exactly_where_token_slots_says(dtype, page_siz
         plan = plan_pages(pages, n, page_size, device)
         scatter_pages(got[1], rows, plan)
         assert torch.equal(bits(got), bits(want)), f"{case}: rows differ or landed outside the room's slots"
+        both = pool.clone()  # a run of layers at once (send_layers): each layer as by itself
+        both_rows = torch.stack([random_bits((n, kv_dim), dtype, seed=3), rows])  # (2, n, kv_dim)
+        both_want = want.clone()
+        both_want[0].index_copy_(0, token_slots(pages, n, page_size), both_rows[0])
+        scatter_pages(both, both_rows, plan)
+        assert torch.equal(bits(both), bits(both_want)), f"{case}: a run of layers differs from each by itself"
     if len(plan.runs) > 1:  # with a device: whole pages in one scatter, a partial last page by itself
         plan = plan_pages(pages, n, page_size, "cpu")
         assert plan.full_pages.tolist() == pages[:n // page_size]
@@ -192,7 +198,7 @@ def test_scatter_pages_refuses_rows_that_do_not_match_the_plan():
     pool = torch.zeros(4 * PAGE, KV_DIM)
     plan = plan_pages([3, 1], PAGE + 1, PAGE, "cpu")
     for rows in (torch.zeros(PAGE, KV_DIM), torch.zeros(PAGE + 1, KV_DIM, dtype=torch.float64),
-                 torch.zeros(PAGE + 1, KV_DIM + 1)):
+                 torch.zeros(PAGE + 1, KV_DIM + 1), torch.zeros(2, PAGE + 1, KV_DIM)):
         with pytest.raises(ValueError, match="for a plan of"):
             scatter_pages(pool, rows, plan)
     assert not pool.any()
@@ -250,6 +256,53 @@ def test_rows_are_written_into_scattered_pages_by_the_sender(cleanup, caplog, se
     assert (decode.pool.kv[:, untouched] == -1).all(), "a slot outside the room's pages was written"
     assert "over cuda_ipc (same GPU)" in caplog.text  # logged on both sides at pairing
     assert "paired with prefill" in caplog.text
+
+
+def test_a_prompts_layers_go_in_one_copy_and_one_announcement(cleanup):
+    """send_layers (the prefill engine's call on a cuda_ipc pairing) gathers a run of layers from the prefill pool
+    at once and announces it in one LAYER frame; the decode worker still hears of every layer, in order."""
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    frames = []
+    on_data = decode.receiver._on_data
+    decode.receiver._on_data = lambda conn, kind, header, payload: (
+        frames.append((kind, header.get("layers", header.get("layer")))), on_data(conn, kind, header, payload))[1]
+    prefill_pool = torch.randn(LAYERS, 64, KV_DIM)  # (layers, slots, kv_dim)
+    src_slots = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:TOKENS]
+    decode.pool.allocator.alloc(NUM_PAGES)
+    dst = [9, 2, 5, 6, 7, 0, 13, 11, 12, 3]
+    decode.reserve(7, TOKENS, dst)
+    h = s.begin(decode.receiver.endpoint, 7, LAYERS, dst_pages=dst)
+    assert h.streams_layers is False
+    h.send_layers(0, prefill_pool[:LAYERS - 1], src_slots)  # the main layers, then the MTP layer's (as a prefill)
+    with pytest.raises(ValueError, match="out of range"):
+        h.send_layers(LAYERS - 1, prefill_pool[LAYERS - 2:], src_slots)  # one past the room: refused, nothing queued
+    h.send_layers(LAYERS - 1, prefill_pool[LAYERS - 1:], src_slots)
+    h.finish(AUX)
+    h.wait(timeout=5)
+    decode.rec.wait_for(lambda: decode.rec.done)
+    assert [f for f in frames if f[0] == "LAYER"] == [("LAYER", list(range(LAYERS - 1))), ("LAYER", LAYERS - 1)]
+    assert [(room, layer) for room, layer, _, _ in decode.rec.layers] == [(7, layer) for layer in range(LAYERS)]
+    slots = token_slots(dst, TOKENS, PAGE)
+    for layer in range(LAYERS):
+        assert torch.equal(decode.pool.kv[layer, slots], prefill_pool[layer, src_slots])
+
+
+@pytest.mark.parametrize("layers", [[0, 0], [1, LAYERS], [], "0"])
+def test_a_bad_announcement_of_several_layers_fails_only_its_room(cleanup, layers):
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    h, _ = send(s, decode, 8, layers=[], finish=False)
+    assert h._granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
+    h._conn.queue.put((h, "LAYER", h._conn._frame(h, "LAYER", {"layers": layers, "num_tokens": TOKENS}), None))
+    with pytest.raises(KVTransferError) as err:
+        h.wait(timeout=5)
+    assert err.value.kind == "protocol" and "bad LAYER announcement" in str(err.value)
+    decode.rec.wait_for(lambda: decode.rec.failed)  # released once the sender's copies are done (its ABORT)
+    assert decode.idle and (decode.pool.kv == -1).all()
+    h2, pages = send(s, decode, 9)  # the pairing goes on
+    h2.wait(timeout=5)
+    assert landed(decode, 9, pages)
 
 
 @pytest.mark.parametrize("sender_ipc, decode_ipc, why", [
@@ -335,8 +388,7 @@ def test_decode_cancel_of_a_granted_room_waits_for_the_senders_release(cleanup):
     decode = ipc_decode(cleanup)
     s = ipc_sender(cleanup)
     h, pages = send(s, decode, 11, layers=[0], finish=False)
-    wait = lambda: decode.receiver._rooms[11].granted if 11 in decode.receiver._rooms else False  # noqa: E731
-    decode.rec.wait_for(wait)
+    assert h._granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
     assert decode.cancel(11) is False, "the sender may be writing: the pages are freed on on_failed"
     decode.rec.wait_for(lambda: decode.rec.failed)  # after the sender's ABORT (its copies completed)
     assert decode.rec.failed[0][1].kind == "aborted" and decode.idle
@@ -374,7 +426,7 @@ def test_a_sender_that_never_releases_loses_its_pairing(cleanup):
     decode = ipc_decode(cleanup, drain_timeout_s=0.3)
     s = ipc_sender(cleanup)
     h, _ = send(s, decode, 31, layers=[0], finish=False)
-    decode.rec.wait_for(lambda: 31 in decode.receiver._rooms and decode.receiver._rooms[31].granted)
+    assert h._granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
     h._fail = lambda *a: False  # fault: the sender ignores ROOM_FAILED and never answers ABORT
     assert decode.cancel(31) is False
     decode.rec.wait_for(lambda: decode.rec.failed, timeout=5)  # released when the pairing was closed
@@ -388,7 +440,7 @@ def test_closing_the_receiver_releases_rooms_still_draining(cleanup):
     decode = ipc_decode(cleanup, drain_timeout_s=60)
     s = ipc_sender(cleanup)
     h, _ = send(s, decode, 41, layers=[0], finish=False)
-    decode.rec.wait_for(lambda: 41 in decode.receiver._rooms and decode.receiver._rooms[41].granted)
+    assert h._granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
     h._fail = lambda *a: False  # the sender never releases the room
     assert decode.cancel(41) is False
     decode.receiver.close()

@@ -16,6 +16,8 @@ from pdserve.spec_decode import SpeculativeConfig
 
 
 class RecordingHandle:
+    streams_layers = True  # as TCP's and NCCL's handles
+
     def __init__(self, events):
         self.events, self.layers, self.aux = events, {}, None
 
@@ -23,12 +25,25 @@ class RecordingHandle:
         self.events.append(f"send {layer}")
         self.layers[layer] = (source if slots is None else source[slots]).clone()
 
+    def send_layers(self, first_layer, source, slots=None):
+        for i in range(source.shape[0]):
+            self.send_rows(first_layer + i, source[i], slots)
+
     def finish(self, aux):
         self.events.append("finish")
         self.aux = aux
 
     def abort(self):
         self.events.append("abort")
+
+
+class BulkRecordingHandle(RecordingHandle):
+    streams_layers = False  # as cuda_ipc's: every layer at once after the forward
+
+    def send_layers(self, first_layer, source, slots=None):
+        self.events.append(f"send layers {first_layer}..{first_layer + source.shape[0] - 1}")
+        for i in range(source.shape[0]):
+            self.layers[first_layer + i] = (source[i] if slots is None else source[i][slots]).clone()
 
 
 SPECULATING = SpeculativeConfig("NEXTN", 2)  # a prefill worker started with --speculative-algorithm: MTP KV too
@@ -105,3 +120,33 @@ def test_without_speculation_no_mtp_layer_is_computed_or_shipped(tiny_v3_dir):
     assert plain.aux["first_token_id"] == speculating.aux["first_token_id"]
     _, _, job, to_plain_decode, _ = run(SPECULATING, ships_mtp=False)  # a speculating prefill, a plain decode
     assert sorted(to_plain_decode.layers) == list(range(main))
+
+
+def test_a_transport_that_copies_on_the_gpu_gets_each_prompts_layers_in_one_call(tiny_v3_dir):
+    """cuda_ipc's handles do not stream layer by layer (`streams_layers` False): each prompt's main layers go in one
+    `send_layers` after the forward, the MTP layer's in one more, with the rows a streaming handle gets; prompts of
+    both kinds in one step each get theirs."""
+    core = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
+                                  speculative=SPECULATING))
+    engine = PrefillEngine(core, sender=None)
+    events: list[str] = []
+    last = core.model.layers[-1]
+    last.register_forward_hook(lambda *_: events.append("last layer done"))
+    streaming, bulk = RecordingHandle([]), BulkRecordingHandle(events)
+    prompts = [core.encode("The router sends each request to a prefill worker"), core.encode("Hello there, decode")]
+    engine.add(PrefillJob("s", prompts[0], SamplingParams(), list(range(16))), streaming)
+    engine.add(PrefillJob("b", prompts[1], SamplingParams(), list(range(16, 32))), bulk)
+    while engine.has_work:
+        engine.step()
+    main, total = core.model_config.num_hidden_layers, core.model_config.num_kv_layers
+    assert events == ["last layer done", f"send layers 0..{main - 1}", f"send layers {main}..{total - 1}", "finish"]
+    assert sorted(streaming.layers) == sorted(bulk.layers) == list(range(total))
+    alone = PrefillEngine(LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
+                                                 speculative=SPECULATING)), sender=None)
+    reference = RecordingHandle([])
+    alone.add(PrefillJob("b", prompts[1], SamplingParams(), list(range(16))), reference)
+    while alone.has_work:
+        alone.step()
+    for layer in range(total):
+        torch.testing.assert_close(bulk.layers[layer], reference.layers[layer], rtol=1e-5, atol=1e-5)
+    assert bulk.aux["first_token_id"] == reference.aux["first_token_id"]
