@@ -219,7 +219,7 @@ class Gate(nn.Module):
                                      cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # (T, E)
+        logits = F.linear(x.float(), self.weight.float())  # (T, E); the weight is stored in fp32 (build_model)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
         return self.kernels.moe.select_experts(logits, bias, self.routing)  # (T, k) weights, (T, k) ids
 
