@@ -5,8 +5,8 @@
                 position once the first token is known: what a prefill worker computes for a decode tier that can
                 speculate
   worker        the prefill worker's own engine (PrefillEngine, no --speculative-algorithm: for a decode tier that
-                does not speculate, so the main layers only) with a transport that gathers each layer's rows as
-                every real one does and drops them: everything but the wire
+                does not speculate, so the main layers only) with a transport that gathers the prompt's rows as
+                cuda_ipc does (every layer at once, after the forward) and drops them: everything but the wire
 
 Each: median wall time of --iters steps after one warm-up step per length (a step ends with the sampled token on
 the host); then, with --profile, torch.profiler's top CUDA kernels and CPU ops of one `worker` step.
@@ -49,12 +49,17 @@ class MtpKV(StepHooks):
 
 
 class GatherOnly(SendHandle):
-    """A room whose rows are gathered out of the pool (each transport's one copy) and then dropped."""
+    """A room whose rows are gathered out of the pool (each transport's one copy) and then dropped: all layers of a
+    prompt in one gather after the forward, as cuda_ipc (the transport on one machine)."""
 
     room = 0
+    streams_layers = False
 
     def send_rows(self, layer: int, source: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
         gather_rows(source, slots, source.device)
+
+    def send_layers(self, first_layer: int, source: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
+        source.index_select(1, slots) if slots is not None else source.clone()
 
     def finish(self, aux: dict[str, Any]) -> None:
         pass
