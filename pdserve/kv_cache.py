@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -87,6 +87,7 @@ class PageAllocator:
         # kept as references change, because counting them is a walk over the whole cache (every step, for a gauge).
         self._tracked = [False] * num_pages
         self._num_tracked_alone = 0
+        self.on_alone: Optional[Callable[[int], None]] = None  # told of a tracked page whose last request let go
 
     def alloc(self, n: int) -> list[int] | None:
         """Take `n` free pages with a reference count of 1 each; None (and nothing taken) if fewer are free."""
@@ -123,6 +124,8 @@ class PageAllocator:
                 self._num_free += 1
             elif self._refcount[p] == 1 and self._tracked[p]:
                 self._num_tracked_alone += 1
+                if self.on_alone is not None:
+                    self.on_alone(p)
 
     def track(self, page: int, tracked: bool) -> None:
         """Mark a page the prefix cache registers (True, after taking its reference) or drops (False, before letting

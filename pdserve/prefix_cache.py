@@ -6,6 +6,13 @@ little-endian int64 token ids: the same on every process and machine, so they ca
 
 The cache holds one reference on every page it has registered. Registered blocks stay prefix-closed (a block's
 predecessor is cached whenever the block is), which eviction keeps by removing only blocks with no cached successor.
+
+Eviction takes the least recently used *evictable leaf* (no cached successor, no holder but the cache) first. A full
+cache is the steady state of a busy worker, where every allocation evicts; so the candidates are kept in one heap
+across calls instead of being collected by a walk over the whole cache per allocation (which cost a prefill worker
+milliseconds per prompt with a few thousand cached pages). An entry is pushed whenever a block may have become an
+evictable leaf (its last request let go of its page, its last successor was evicted, it was touched while one);
+entries that no longer describe an evictable leaf are dropped when they surface.
 """
 
 from __future__ import annotations
@@ -42,12 +49,24 @@ class PrefixCache:
         self._blocks: dict[bytes, _Block] = {}
         self._page_key: dict[int, bytes] = {}  # registered page -> its key; a page holds exactly one block
         self._clock = 0
+        self._heap: list[tuple[int, bytes]] = []  # (last_used, key) of possible evictable leaves, stale ones included
+        allocator.on_alone = self._page_alone
         self.hit_tokens = 0  # tokens served from the cache by match(), summed over calls
         self.queried_tokens = 0  # prompt tokens passed to match(), summed over calls
 
-    def _touch(self, block: _Block) -> None:
+    def _touch(self, block: _Block, key: bytes) -> None:
         self._clock += 1
         block.last_used = self._clock
+        self._offer(block, key)  # (its entry with the old time is stale now)
+
+    def _offer(self, block: _Block, key: bytes) -> None:
+        """Push the block as an eviction candidate if it is an evictable leaf now."""
+        if self._evictable_leaf(block):
+            heapq.heappush(self._heap, (block.last_used, key))
+
+    def _page_alone(self, page: int) -> None:  # PageAllocator.on_alone: the cache is its page's only holder now
+        key = self._page_key[page]
+        self._offer(self._blocks[key], key)
 
     def match(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """Longest cached prefix of `token_ids` as (pages, num_cached_tokens), leaving at least one token uncached.
@@ -63,7 +82,7 @@ class PrefixCache:
             block = self._blocks.get(key)
             if block is None:
                 break
-            self._touch(block)
+            self._touch(block, key)
             pages.append(block.page)
         self.allocator.incref(pages)
         num_cached = len(pages) * self.page_size
@@ -95,7 +114,7 @@ class PrefixCache:
                 if parent is not None:
                     self._blocks[parent].num_children += 1
                 num_new += 1
-            self._touch(block)
+            self._touch(block, key)
             parent = key
         return num_new
 
@@ -104,27 +123,7 @@ class PrefixCache:
 
     def evict(self, num_pages_needed: int) -> int:
         """Free up to `num_pages_needed` pages held only by the cache, least recently used leaf first."""
-        if num_pages_needed <= 0:
-            return 0
-        # last_used values are unique (one clock tick per touch), so heap entries never compare the keys.
-        heap = [(b.last_used, k) for k, b in self._blocks.items() if self._evictable_leaf(b)]
-        heapq.heapify(heap)
-        removed: list[bytes] = []
-        while heap and len(removed) < num_pages_needed:
-            _, key = heapq.heappop(heap)
-            block = self._blocks.pop(key)
-            del self._page_key[block.page]
-            self.allocator.track(block.page, False)
-            self.allocator.decref([block.page])
-            removed.append(key)
-            if block.parent is not None:
-                parent = self._blocks[block.parent]
-                parent.num_children -= 1
-                if self._evictable_leaf(parent):
-                    heapq.heappush(heap, (parent.last_used, block.parent))
-        if removed and self.on_evict is not None:
-            self.on_evict(removed)
-        return len(removed)
+        return self._evict(self._victims(num_pages_needed))
 
     def alloc_with_eviction(self, n: int) -> list[int] | None:
         """Allocate `n` pages, evicting cached pages if needed; None (and nothing evicted) if it cannot succeed."""
@@ -132,13 +131,60 @@ class PrefixCache:
         if pages is not None:
             return pages
         shortfall = n - self.allocator.num_free
-        if shortfall > self.num_evictable_pages:
-            return None  # evicting would destroy cached prefixes without making room
-        freed = self.evict(shortfall)
-        assert freed == shortfall, f"evicted {freed} of {shortfall} evictable pages"
+        if shortfall > self.allocator.num_tracked_alone:
+            return None  # fewer cache-only pages than needed (O(1)): evicting would not make room
+        victims = self._victims(shortfall)
+        if len(victims) < shortfall:  # cache-only pages before a request-held block: cannot go
+            for key in victims:  # chosen, not evicted: back in the heap
+                heapq.heappush(self._heap, (self._blocks[key].last_used, key))
+            return None
+        self._evict(victims)
         pages = self.allocator.alloc(n)
         assert pages is not None
         return pages
+
+    def _victims(self, n: int) -> list[bytes]:
+        """Up to `n` keys in eviction order, nothing evicted yet: a leaf's predecessor becomes a candidate once all
+        its successors are among them."""
+        victims: list[bytes] = []
+        if n <= 0:
+            return victims
+        chosen: set[bytes] = set()
+        children_left: dict[bytes, int] = {}  # successors not chosen, of the chosen blocks' predecessors
+        while self._heap and len(victims) < n:
+            last_used, key = heapq.heappop(self._heap)
+            block = self._blocks.get(key)
+            if (block is None or block.last_used != last_used or key in chosen
+                    or children_left.get(key, block.num_children) or self.allocator.refcount(block.page) != 1):
+                continue  # stale: evicted, touched since, or not an evictable leaf (pushed again when it becomes one)
+            victims.append(key)
+            chosen.add(key)
+            if block.parent is not None:
+                left = children_left[block.parent] = children_left.get(
+                    block.parent, self._blocks[block.parent].num_children) - 1
+                parent = self._blocks[block.parent]
+                if left == 0 and self.allocator.refcount(parent.page) == 1:
+                    heapq.heappush(self._heap, (parent.last_used, block.parent))
+        self._compact()
+        return victims
+
+    def _evict(self, victims: list[bytes]) -> int:
+        for key in victims:  # leaves first: each block's successors went before it
+            block = self._blocks.pop(key)
+            del self._page_key[block.page]
+            self.allocator.track(block.page, False)
+            self.allocator.decref([block.page])
+            if block.parent is not None:
+                self._blocks[block.parent].num_children -= 1
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
+        return len(victims)
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the evictable leaves once stale entries outnumber the cache (amortized O(1))."""
+        if len(self._heap) > 2 * len(self._blocks) + 64:
+            self._heap = [(b.last_used, k) for k, b in self._blocks.items() if self._evictable_leaf(b)]
+            heapq.heapify(self._heap)
 
     def reset(self) -> int:
         """Drop every page only the cache holds; returns pages freed.
@@ -153,7 +199,8 @@ class PrefixCache:
 
     @property
     def num_evictable_pages(self) -> int:
-        """Pages repeated eviction could free: cache-only blocks with no request-held block after them."""
+        """Pages repeated eviction could free: cache-only blocks with no request-held block after them (a walk over
+        the whole cache: for tests and tools, not per allocation)."""
         pinned: set[bytes] = set()
         for key, block in self._blocks.items():
             if self.allocator.refcount(block.page) == 1:

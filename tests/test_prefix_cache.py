@@ -260,3 +260,86 @@ def test_cache_only_count_follows_every_reference_change():
     assert cache.num_cache_only_pages == cache.num_cached_pages
     cache.reset()
     assert cache.num_cache_only_pages == 0 and alloc.num_free == 48
+
+
+def walk_victims(cache, n: int) -> list[bytes]:
+    """The eviction the heap replaces, from scratch: collect every evictable leaf, take the least recently used,
+    let its predecessor in once it has no successor left, n times (or until none is left)."""
+    import heapq
+
+    alone = lambda b: cache.allocator.refcount(b.page) == 1  # noqa: E731
+    children = {k: b.num_children for k, b in cache._blocks.items()}
+    heap = [(b.last_used, k) for k, b in cache._blocks.items() if children[k] == 0 and alone(b)]
+    heapq.heapify(heap)
+    out = []
+    while heap and len(out) < n:
+        _, key = heapq.heappop(heap)
+        out.append(key)
+        parent = cache._blocks[key].parent
+        if parent is not None:
+            children[parent] -= 1
+            if children[parent] == 0 and alone(cache._blocks[parent]):
+                heapq.heappush(heap, (cache._blocks[parent].last_used, parent))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_evictions_follow_the_lru_walk_they_replace(seed):
+    """The candidate heap kept across calls evicts exactly the blocks, in exactly the order, that a walk over the
+    whole cache picks (least recently used evictable leaf first), under random requests that share prefixes, hold
+    duplicates of cached blocks (cache-only pages pinned by a request-held successor), finish in any order, and
+    allocate from a full pool; an allocation that cannot be met evicts nothing."""
+    import random
+
+    rng = random.Random(seed)
+    alloc, cache, evicted = make(num_pages=40, page_size=4)
+    stems = [[rng.randrange(50) for _ in range(16)] for _ in range(5)]
+    held: list[list[int]] = []
+    refused = 0
+    for _ in range(600):
+        if held and rng.random() < 0.3:  # (requests pile up: the pool fills with held pages at times)
+            alloc.decref(held.pop(rng.randrange(len(held))))
+            continue
+        tokens = rng.choice(stems)[: rng.randrange(1, 17)] + [rng.randrange(50) for _ in range(rng.randrange(12))]
+        own = rng.random() < 0.2  # computed without the cache: own pages, duplicates of cached blocks
+        pages, _ = ([], 0) if own else cache.match(tokens)
+        need = -(-len(tokens) // 4) - len(pages)
+        shortfall = need - alloc.num_free
+        expected = walk_victims(cache, shortfall) if shortfall > 0 else []
+        before = len(evicted)
+        new = cache.alloc_with_eviction(need)
+        if new is None:
+            refused += 1
+            assert len(expected) < shortfall and len(evicted) == before, "a refused allocation evicted blocks"
+            alloc.decref(pages)
+            continue
+        assert [k for batch in evicted[before:] for k in batch] == expected
+        pages += new
+        cache.insert(tokens, pages)
+        held.append(pages)
+        if rng.random() < 0.1:  # an explicit partial eviction
+            n = rng.randrange(1, 6)
+            expected = walk_victims(cache, n)
+            before = len(evicted)
+            assert cache.evict(n) == len(expected)
+            assert [k for batch in evicted[before:] for k in batch] == expected
+    assert refused, "the pool was never too full to refuse an allocation: the test missed that branch"
+    for pages in held:
+        alloc.decref(pages)
+    cache.reset()
+    assert alloc.num_free == 40 and cache.num_cached_pages == 0
+
+
+def test_a_block_touched_by_another_requests_insert_stays_evictable_in_lru_order():
+    """A request that computed a cached prefix on its own pages (prompt logprobs) touches the cached blocks when it
+    registers: they become the most recently used, and stay evictable after the older ones."""
+    alloc, cache, evicted = make(num_pages=8, page_size=4)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    for tokens in (a, b):
+        pages, _ = compute(cache, tokens + [0])
+        alloc.decref(pages)  # done: blocks a, then b, cache-only leaves
+    own = alloc.alloc(1)
+    cache.insert(a, own)  # a's key is cached: its page stays, this request's page stays private; a is touched
+    alloc.decref(own)
+    assert cache.evict(2) == 2
+    assert evicted == [block_hashes(b, 4) + block_hashes(a, 4)]  # b first: a was used after it
