@@ -275,14 +275,18 @@ def rows_of(name: str, stack: dict, engine: dict) -> list[dict]:
         e = by_batch.get(r["concurrency"])
         if e is None:
             continue
+        # A NextN step yields several tokens: there the stack's time per token is held against the engine's
+        # (TPOT), in plain decoding against the engine's step (one token each).
+        speculating = "--speculative-algorithm" in engine.get("engine_flags", [])
         step = e["decode_step_ms"]
+        per_token = e["tpot_ms"] if speculating else step
         rows.append({
             "model": name, "concurrency": r["concurrency"], "prompts": r["num_prompts"], "failed": r["failed"],
             "stack_out_tok_s": r["output_token_throughput"], "engine_out_tok_s": e["output_tok_s"],
             "out_tok_s_ratio": ratio(r["output_token_throughput"], e["output_tok_s"]),
             "stack_tpot_ms": r["tpot"]["mean_ms"], "stack_itl_ms": r["itl"]["mean_ms"], "engine_step_ms": step,
-            "engine_tpot_ms": e["tpot_ms"],
-            "tpot_ratio": ratio(r["tpot"]["mean_ms"], step), "itl_ratio": ratio(r["itl"]["mean_ms"], step),
+            "engine_tpot_ms": e["tpot_ms"], "speculating": speculating, "engine_per_token_ms": per_token,
+            "tpot_ratio": ratio(r["tpot"]["mean_ms"], per_token), "itl_ratio": ratio(r["itl"]["mean_ms"], per_token),
             "stack_ttft_p50_ms": r["ttft"]["median_ms"], "engine_prefill_one_ms": e["prefill_one_ms"],
             "ttft_ratio": ratio(r["ttft"]["median_ms"], e["prefill_one_ms"]),
             "stack_in_tok_s": r["input_token_throughput"], "engine_prefill_tok_s": e["prefill_tok_s"],
@@ -297,7 +301,8 @@ def _f(v, digits=2, suffix="") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | c | failed | out tok/s stack / engine | ratio | TPOT / ITL stack ms | engine step ms | TPOT / "
+    head = ("| model | c | failed | out tok/s stack / engine | ratio | TPOT / ITL stack ms | engine step ms (NextN: "
+            "TPOT) | TPOT / "
             "step | ITL / step | TTFT p50 ms | engine prefill of 1 prompt ms | TTFT / prefill | in tok/s stack / "
             "engine prefill | ratio |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -305,7 +310,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {r['concurrency']} | {r['failed']}/{r['prompts']} | {_f(r['stack_out_tok_s'])} / "
             f"{_f(r['engine_out_tok_s'])} | **{_f(r['out_tok_s_ratio'])}** | {_f(r['stack_tpot_ms'])} / "
-            f"{_f(r['stack_itl_ms'])} | {_f(r['engine_step_ms'])} | **{_f(r['tpot_ratio'])}** | {_f(r['itl_ratio'])} | "
+            f"{_f(r['stack_itl_ms'])} | {_f(r['engine_per_token_ms'])} | **{_f(r['tpot_ratio'])}** | {_f(r['itl_ratio'])} | "
             f"{_f(r['stack_ttft_p50_ms'])} | {_f(r['engine_prefill_one_ms'])} | **{_f(r['ttft_ratio'])}** | "
             f"{_f(r['stack_in_tok_s'])} / {_f(r['engine_prefill_tok_s'])} | **{_f(r['in_tok_s_ratio'])}** |")
     return "\n".join(lines)
@@ -329,7 +334,9 @@ def targets(rows: list[dict]) -> list[str]:
               True)
         check("output tok/s at c=128 / engine at batch 128", at.get(128), "out_tok_s_ratio", TARGETS["out_tok_s_c128"],
               True)
-        check("TPOT at c=1 / engine decode step", at.get(1), "tpot_ratio", TARGETS["tpot_c1"], False)
+        one = at.get(1)
+        check("TPOT at c=1 / engine TPOT (NextN)" if one and one.get("speculating") else
+              "TPOT at c=1 / engine decode step", one, "tpot_ratio", TARGETS["tpot_c1"], False)
         check("TTFT p50 at c=1 / engine prefill of the prompt (transfer time not added)", at.get(1), "ttft_ratio",
               TARGETS["ttft_c1"], False)
         if model == "v3":

@@ -37,3 +37,21 @@ def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
     md = (out / "serving.md").read_text()
     assert "bench_serving.py --out" in md and "| demo | 2 | 0/4 |" in md and "zero failed requests" in md
     assert sorted(f.name for f in out.iterdir()) == ["demo_up.log", "serving.json", "serving.md"]
+
+
+def test_with_nextn_the_stacks_tpot_is_held_against_the_engines_tpot():
+    """A NextN step yields several tokens: the stack's time per token is compared with the engine's time per token,
+    not with its step; in plain decoding with the step (one token each)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_serving import rows_of, targets
+
+    stack = {"runs": [{"concurrency": 1, "num_prompts": 8, "failed": 0, "output_token_throughput": 900.0,
+                       "tpot": {"mean_ms": 0.6}, "itl": {"mean_ms": 1.2}, "ttft": {"median_ms": 30.0},
+                       "input_token_throughput": 4000.0}]}
+    batch = {"batch": 1, "output_tok_s": 1000.0, "decode_step_ms": 1.1, "tpot_ms": 0.55, "prefill_one_ms": 20.0,
+             "prefill_tok_s": 30000.0}
+    plain = rows_of("demo", stack, {"engine_flags": ["--model", "m"], "batches": [batch]})[0]
+    nextn = rows_of("demo", stack, {"engine_flags": ["--speculative-algorithm", "NEXTN"], "batches": [batch]})[0]
+    assert plain["tpot_ratio"] == pytest.approx(0.6 / 1.1) and not plain["speculating"]
+    assert nextn["tpot_ratio"] == pytest.approx(0.6 / 0.55) and nextn["itl_ratio"] == pytest.approx(1.2 / 0.55)
+    assert any("engine TPOT (NextN) (demo): 1.09 <= 1.1 target: **met**" in line for line in targets([nextn]))
