@@ -63,6 +63,7 @@ class PrefixCache:
         """Push the block as an eviction candidate if it is an evictable leaf now."""
         if self._evictable_leaf(block):
             heapq.heappush(self._heap, (block.last_used, key))
+            self._compact()  # a cache that never fills evicts never: stale entries must not pile up meanwhile
 
     def _page_alone(self, page: int) -> None:  # PageAllocator.on_alone: the cache is its page's only holder now
         key = self._page_key[page]

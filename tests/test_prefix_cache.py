@@ -343,3 +343,13 @@ def test_a_block_touched_by_another_requests_insert_stays_evictable_in_lru_order
     alloc.decref(own)
     assert cache.evict(2) == 2
     assert evicted == [block_hashes(b, 4) + block_hashes(a, 4)]  # b first: a was used after it
+
+
+def test_the_candidate_heap_stays_bounded_when_nothing_is_evicted():
+    """A pool that never fills never evicts: the entries pushed as requests come and go are compacted anyway."""
+    alloc, cache, evicted = make(num_pages=64, page_size=4)
+    for i in range(3000):
+        pages, _ = compute(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the same prompt: its blocks are touched each time
+        alloc.decref(pages)
+    assert not evicted and len(cache._heap) <= 2 * cache.num_cached_pages + 64
+    assert cache.evict(2) == 2  # and what is left in it still evicts
