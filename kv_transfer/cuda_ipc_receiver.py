@@ -217,9 +217,9 @@ class CudaIpcKVReceiver(TcpKVReceiver):
                 return super()._on_data(conn, kind, header, payload)
             # One layer ("layer") or several copied at once ("layers": a prompt's whole run, see send_layers).
             layers, n = header["layers"] if "layers" in header else [header.get("layer")], header.get("num_tokens")
-            if (not isinstance(layers, list) or not layers or len(set(map(repr, layers))) != len(layers)
+            if (not isinstance(layers, list) or not layers
                     or not all(_is_int(layer) and 0 <= layer < r.num_layers and layer not in r.layers
-                               for layer in layers) or n != r.num_tokens):
+                               for layer in layers) or len(set(layers)) != len(layers) or n != r.num_tokens):
                 # Copies stayed inside the granted pages; the sender just disagrees about the room: fail it only.
                 self._drop_locked(r, "protocol", f"room {room}: bad LAYER announcement (layers {str(layers)[:80]} "
                                                  f"of {r.num_layers}, {n!r} tokens, {r.num_tokens} expected)")
