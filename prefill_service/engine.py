@@ -10,10 +10,16 @@ layers (`layerwise=False` sends them all after the forward instead, to compare).
 of microseconds (cuda_ipc: `SendHandle.streams_layers` False) take every layer of the prompt in one `send_layers`
 after the forward instead: one gather and one announcement per prompt, not per layer. The NextN/MTP layer's KV
 follows once the first token is known (its last position needs that token).
+
+A job may come without its destination (`add(job, None)`): the router reserves pages on the decode worker while the
+prompt is computed, and `bind` brings the destination later, from any thread. The engine thread takes binds up between
+steps and between the layers of a step (a streaming handle then gets the layers already computed at once); a prompt
+computed before its bind is parked: its pages stay held and its aux record kept until the bind ships them.
 """
 
 from __future__ import annotations
 
+import queue
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -40,7 +46,7 @@ class PrefillJob:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    dst_pages: list[int]  # the decode worker's reserved pages (the prompt must fit them)
+    dst_pages: list[int]  # the decode worker's reserved pages (the prompt must fit them); [] until bound
     arrival_time: float = field(default_factory=time.monotonic)
     ships_mtp: bool = True  # send the NextN/MTP layer's KV too (False: the decode worker does not speculate)
 
@@ -54,6 +60,15 @@ class PrefillResult:
     ttft_s: float
     first_token_logprob: Optional[TokenLogprob] = None  # with params.logprobs
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # with params.prompt_logprobs (first: None)
+
+
+@dataclass
+class _Parked:
+    """A prompt computed before its destination was known: its pages held (a reference), its aux record kept."""
+    pages: list[int]
+    slots: torch.Tensor  # (prompt tokens,) on the pool's device
+    aux: dict
+    result: Optional[PrefillResult] = None  # set at the end of the step that computed it
 
 
 class PrefillEngine(StepHooks):
@@ -74,29 +89,42 @@ class PrefillEngine(StepHooks):
         self.computes_mtp_kv = core.model.has_mtp_weights and core.speculator is not None
         self._num_mtp_layers = core.model_config.num_nextn_predict_layers if self.computes_mtp_kv else 0
         self.on_blocks = on_blocks  # told the block hashes this worker now holds (ownership publishing)
-        self._jobs: dict[str, tuple[PrefillJob, SendHandle]] = {}
+        self._jobs: dict[str, tuple[PrefillJob, Optional[SendHandle]]] = {}  # handle None: not bound yet
         self._slots: dict[str, torch.Tensor] = {}  # the step's prompts' slots, computed once for all their layers
+        self._streamed: dict[str, int] = {}  # the step's streaming prompts: main layers handed over so far
+        self._parked: dict[str, _Parked] = {}
+        self._binds: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, handle, dst_pages, ships_mtp)
+        self._shipped: list[PrefillResult] = []  # parked prompts shipped at their bind, not yet returned
         core.hooks = self
 
     def num_layers_for(self, job: PrefillJob) -> int:
         """Layers the job's room carries: the main model's, then the MTP layer's when it ships them."""
-        return self.num_main_layers + (self._num_mtp_layers if job.ships_mtp else 0)
+        return self.num_layers(job.ships_mtp)
+
+    def num_layers(self, ships_mtp: bool) -> int:
+        return self.num_main_layers + (self._num_mtp_layers if ships_mtp else 0)
+
+    def check_destination(self, job: PrefillJob, dst_pages: list[int], ships_mtp: bool) -> None:
+        """ValueError where a destination cannot take the job (any thread: reads nothing that changes)."""
+        if ships_mtp and not self.computes_mtp_kv:
+            raise ValueError(MTP_KV_NOT_COMPUTED)
+        needed = -(-len(job.prompt_ids) // self.pool.page_size)
+        if len(dst_pages) < needed:
+            raise ValueError(f"decode reserved {len(dst_pages)} pages but the prompt needs {needed}")
 
     @property
     def has_work(self) -> bool:
         return self.core.has_unfinished
 
-    def add(self, job: PrefillJob, handle: SendHandle) -> None:
-        if job.ships_mtp and not self.computes_mtp_kv:
-            raise ValueError(MTP_KV_NOT_COMPUTED)
+    def add(self, job: PrefillJob, handle: Optional[SendHandle]) -> None:
+        """handle None: the destination comes later (`bind`)."""
+        if handle is not None:
+            self.check_destination(job, job.dst_pages, job.ships_mtp)
         if job.request_id in self._jobs:
             raise ValueError(f"request_id {job.request_id!r} is already being prefilled")
         if len(self.scheduler.waiting) >= self.max_queued:
             raise exhausted(f"this prefill worker's queue is full ({self.max_queued} prompts waiting, "
                             "--max-queued-requests); retry later or add prefill workers")
-        needed = -(-len(job.prompt_ids) // self.pool.page_size)
-        if len(job.dst_pages) < needed:
-            raise ValueError(f"decode reserved {len(job.dst_pages)} pages but the prompt needs {needed}")
         p = job.params
         # The first token is drawn exactly as the single-process engine would draw it; the generator state then
         # travels with the KV so decode continues the same random stream.
@@ -107,59 +135,121 @@ class PrefillEngine(StepHooks):
                               detokenize=False)
         self._jobs[job.request_id] = (job, handle)
 
+    def bind(self, request_id: str, handle: SendHandle, dst_pages: list[int], ships_mtp: bool) -> None:
+        """Any thread: the destination of a job added without one (checked with `check_destination`). Taken up by
+        the engine thread in its next step (between its layers too) or `apply_binds`; a job gone by then (aborted)
+        has the handle aborted."""
+        self._binds.put((request_id, handle, list(dst_pages), ships_mtp))
+
+    def apply_binds(self) -> list[PrefillResult]:
+        """Engine thread, between steps: take the binds up; the results of parked prompts shipped by them."""
+        self._take_binds()
+        shipped, self._shipped = self._shipped, []
+        return shipped
+
     def abort(self, request_id: str) -> bool:
         entry = self._jobs.pop(request_id, None)
         if entry is None:
             return False
-        self.core.abort(request_id)
-        entry[1].abort()
+        parked = self._parked.pop(request_id, None)
+        if parked is not None:
+            self.pool.allocator.decref(parked.pages)
+        else:
+            self.core.abort(request_id)
+        if entry[1] is not None:
+            entry[1].abort()
         return True
 
     def step(self) -> list[PrefillResult]:
+        """The results of prompts whose KV went to their destination (this step's, and parked ones bound since)."""
+        self._take_binds()
         results = []
-        for out in self.core.step():  # the hooks below shipped each finished prompt's KV and aux record
+        for out in self.core.step():  # the hooks below shipped (or parked) each finished prompt's KV and aux record
             assert out.finished, "a prefill request ends with its first token"
-            job, handle = self._jobs.pop(out.request_id)
+            job, handle = self._jobs[out.request_id]
             if self.on_blocks is not None:
                 self.on_blocks(block_hashes(job.prompt_ids, self.pool.page_size))
-            results.append(PrefillResult(out.request_id, out.output_ids[0], out.cached_tokens, handle,
-                                         time.monotonic() - job.arrival_time,
-                                         out.logprobs[0] if out.logprobs else None, out.prompt_logprobs))
-        return results
+            result = PrefillResult(out.request_id, out.output_ids[0], out.cached_tokens, handle,
+                                   time.monotonic() - job.arrival_time,
+                                   out.logprobs[0] if out.logprobs else None, out.prompt_logprobs)
+            if handle is None:  # parked by on_prefilled: its bind ships it
+                self._parked[out.request_id].result = result
+            else:
+                del self._jobs[out.request_id]
+                results.append(result)
+        shipped, self._shipped = self._shipped, []
+        return shipped + results
+
+    def _take_binds(self) -> None:
+        while True:
+            try:
+                request_id, handle, dst_pages, ships_mtp = self._binds.get_nowait()
+            except queue.Empty:
+                return
+            entry = self._jobs.get(request_id)
+            if entry is None or entry[1] is not None:  # aborted meanwhile (a second bind is refused before this)
+                handle.abort()
+                continue
+            job = entry[0]
+            job.dst_pages, job.ships_mtp = dst_pages, ships_mtp
+            self._jobs[request_id] = (job, handle)
+            parked = self._parked.pop(request_id, None)
+            if parked is not None:
+                self._ship_parked(job, handle, parked)
+
+    def _ship_parked(self, job: PrefillJob, handle: SendHandle, parked: _Parked) -> None:
+        main = self.num_main_layers
+        handle.send_layers(0, self.pool.kv[:main], parked.slots)
+        if job.ships_mtp:
+            handle.send_layers(main, self.pool.kv[main:main + self._num_mtp_layers], parked.slots)
+        handle.finish(parked.aux)
+        self.pool.allocator.decref(parked.pages)  # the rows are the transport's now (it gathered them)
+        del self._jobs[job.request_id]
+        parked.result.handle = handle
+        self._shipped.append(parked.result)
 
     # ---- StepHooks: called inside LLMEngine.step -------------------------------------------------------------------
     def on_layer_done(self, prompts: list[Request], layer: int) -> None:
-        if self.layerwise:
-            streaming = [req for req in prompts if self._jobs[req.request_id][1].streams_layers]
-            if streaming:
-                self._ship(streaming, layer)
+        self._take_binds()  # a bind that came during this forward: its prompt streams from here on
+        if not self.layerwise:
+            return
+        for req in prompts:
+            handle = self._jobs[req.request_id][1]
+            if handle is not None and handle.streams_layers:
+                # Every layer computed so far (more than this one where the bind came in the middle of the forward).
+                # The transport gathers the rows once, into memory it owns, so the pool may move on at once.
+                first = self._streamed.get(req.request_id, 0)
+                handle.send_layers(first, self.pool.kv[first:layer + 1], self._slots_of(req))
+                self._streamed[req.request_id] = layer + 1
 
     def on_prefilled(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
         main = self.num_main_layers
-        for req in prompts:  # every layer at once where it was not streamed
-            handle = self._jobs[req.request_id][1]
-            if not (self.layerwise and handle.streams_layers):
-                handle.send_layers(0, self.pool.kv[:main], self._slots_of(req))
-        # The MTP layer's KV at the last prompt position needs the first token.
-        rows = [i for i, req in enumerate(prompts) if self._jobs[req.request_id][0].ships_mtp]
-        if rows:  # (add() admitted such a job only where this worker computes the MTP layer)
-            shipping = [prompts[i] for i in rows]
-            self.core.runner.mtp_decode(shipping, [first_tokens[i] for i in rows], hidden[rows])
-            for req in shipping:
-                self._jobs[req.request_id][1].send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
-                                                          self._slots_of(req))
+        jobs = [self._jobs[req.request_id] for req in prompts]
+        for req, (_, handle) in zip(prompts, jobs):  # every layer not streamed yet, at once
+            first = self._streamed.pop(req.request_id, 0)
+            if handle is not None and first < main:
+                handle.send_layers(first, self.pool.kv[first:main], self._slots_of(req))
+        # The MTP layer's KV at the last prompt position needs the first token. A prompt not bound yet gets it
+        # wherever this worker computes it: whether its destination wants it is not known yet.
+        rows = [i for i, (job, handle) in enumerate(jobs)
+                if (job.ships_mtp if handle is not None else self.computes_mtp_kv)]
+        if rows:  # (add() admitted a bound job that ships it only where this worker computes the MTP layer)
+            computing = [prompts[i] for i in rows]
+            self.core.runner.mtp_decode(computing, [first_tokens[i] for i in rows], hidden[rows])
+            for i in rows:
+                if jobs[i][1] is not None:
+                    jobs[i][1].send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
+                                           self._slots_of(prompts[i]))
         hidden_host = hidden.detach().to("cpu", torch.float32)  # (prompts, D): one copy for the step's prompts
-        for req, tok, h in zip(prompts, first_tokens, hidden_host):
-            self._jobs[req.request_id][1].finish({
-                "first_token_id": tok, "cached_tokens": req.num_cached_tokens,
-                "hidden": h.clone(), "rng_state": _rng_state(req.generator)})
+        for req, (_, handle), tok, h in zip(prompts, jobs, first_tokens, hidden_host):
+            aux = {"first_token_id": tok, "cached_tokens": req.num_cached_tokens, "hidden": h.clone(),
+                   "rng_state": _rng_state(req.generator)}
+            if handle is not None:
+                handle.finish(aux)
+            else:  # held past the request's end (this step) until its bind ships them
+                self.pool.allocator.incref(req.pages)
+                self._parked[req.request_id] = _Parked(list(req.pages), self._slots_of(req), aux)
         self._slots.clear()
-
-    def _ship(self, prompts: list[Request], layer: int) -> None:
-        """Hand the transport the pool's layer and each prompt's slots: it gathers the rows once, into memory it
-        owns, so the pool may move on at once."""
-        for req in prompts:
-            self._jobs[req.request_id][1].send_rows(layer, self.pool.kv[layer], self._slots_of(req))
 
     def _slots_of(self, req: Request) -> torch.Tensor:
         """The prompt's slots `(prompt tokens,)` on the pool's device, made once per step (uploaded without

@@ -27,6 +27,7 @@ from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
 from pdserve.serving.worker_common import Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info
 
+from .destinations import Destinations
 from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,12 @@ class PrefillWorker:
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
+        self.destinations: Optional[Destinations] = None  # Bind calls' destinations, by request id
         self.last_load = self.load()  # read here, before the engine thread starts
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.deliveries = Deliveries(loop)
+        self.destinations = Destinations()
         self.loop.start()
 
     def _held(self, hashes: list[bytes]) -> None:
@@ -91,10 +94,17 @@ class PrefillWorker:
             store.record(self.identity.worker_id, hashes)
 
     def _step(self) -> None:
-        for r in self.engine.step():
+        self._deliver(self.engine.step())
+        self._update_gauges()
+
+    def apply_binds(self) -> None:
+        """Engine thread: destinations that came while the engine had nothing to compute (parked prompts)."""
+        self._deliver(self.engine.apply_binds())
+
+    def _deliver(self, results) -> None:
+        for r in results:
             self.metrics.ttft.observe(r.ttft_s)
             self.deliveries.resolve(r.request_id, r)
-        self._update_gauges()
 
     def _update_gauges(self) -> None:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
@@ -139,30 +149,31 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             if not request.input_ids:
                 raise invalid("input_ids: the prompt is empty")
             params = sampling_from_proto(request.sampling_params)
-            mismatch = w.layout.mismatch(layout_from_proto(request.dst_layout))
-            if mismatch:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"this prefill worker cannot send KV to that decode worker: {mismatch}")
-            job = PrefillJob(rid, list(request.input_ids), params, list(request.dst_pages),
-                             ships_mtp=w.core.model.has_mtp_weights and not request.skip_mtp_kv)
-            if job.ships_mtp and not w.engine.computes_mtp_kv:  # before any connection or compute
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, MTP_KV_NOT_COMPUTED)
-            # Connecting (and the layout handshake, which picks the transport under auto) happens here, before any
-            # compute is spent.
-            handle = await asyncio.to_thread(w.sender.begin, request.kv_endpoint, request.room,
-                                             w.engine.num_layers_for(job), job.dst_pages)
-            transport = handle.transport
+            job = PrefillJob(rid, list(request.input_ids), params, [], ships_mtp=False)
+            handle = None
+            if not request.destination_follows:
+                # Connecting (and the layout handshake, which picks the transport under auto) happens here, before
+                # any compute is spent.
+                handle = await self._open(job, request)
+                transport = handle.transport
             result_future = w.deliveries.expect(rid)
             try:
                 await asyncio.wrap_future(w.loop.submit(lambda: w.engine.add(job, handle)))
             except BaseException:
                 w.deliveries.discard(rid)
-                handle.abort()
+                if handle is not None:
+                    handle.abort()
                 raise
             w.metrics.count(w.metrics.prompt_tokens, len(job.prompt_ids))
             try:
+                if handle is None:  # computing already; the destination comes in a Bind call
+                    handle = await self._open(job, await w.destinations.take(rid, w.config.transfer_timeout_s))
+                    transport = handle.transport
+                    w.engine.bind(rid, handle, job.dst_pages, job.ships_mtp)
+                    w.loop.submit(w.apply_binds)  # (an engine with nothing to compute is waiting for a command)
                 result = await result_future
-            except asyncio.CancelledError:  # the router gave up (client cancelled): stop the work
+            except BaseException:  # the router gave up (client cancelled), or no usable destination: stop the work
+                w.deliveries.discard(rid)
                 w.loop.submit(lambda: (w.engine.abort(rid), w._update_gauges()))  # idle: no step refreshes them
                 raise
             w.metrics.count(w.metrics.prefix_hit_tokens, result.cached_tokens)
@@ -185,6 +196,35 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)
+
+    async def Bind(self, request: pb.BindRequest, context: grpc.aio.ServicerContext) -> pb.BindResponse:
+        try:
+            if not request.request_id:
+                raise invalid("request_id: empty")
+            self.w.destinations.put(request.request_id, request)
+        except ServiceError as e:
+            await abort_with(context, e)
+        return pb.BindResponse()
+
+    async def _open(self, job: PrefillJob, destination):
+        """The send handle to `destination` (a PrefillRequest or BindRequest: room, kv_endpoint, dst_pages,
+        dst_layout, skip_mtp_kv), after checking that it can take the job; sets the job's dst_pages and ships_mtp."""
+        w = self.w
+        mismatch = w.layout.mismatch(layout_from_proto(destination.dst_layout))
+        if mismatch:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"this prefill worker cannot send KV to that decode worker: {mismatch}")
+        dst_pages = list(destination.dst_pages)
+        ships_mtp = w.core.model.has_mtp_weights and not destination.skip_mtp_kv
+        try:
+            w.engine.check_destination(job, dst_pages, ships_mtp)
+        except ValueError as e:
+            if str(e) == MTP_KV_NOT_COMPUTED:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, MTP_KV_NOT_COMPUTED) from None
+            raise
+        job.dst_pages, job.ships_mtp = dst_pages, ships_mtp
+        return await asyncio.to_thread(w.sender.begin, destination.kv_endpoint, destination.room,
+                                       w.engine.num_layers(ships_mtp), dst_pages)
 
 
 async def serve_prefill(worker: PrefillWorker, ready=None) -> None:

@@ -288,17 +288,18 @@ class Router:
             m.count(m.requests, outcome=outcome)
 
     async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival, deadline):
-        """Reserve on the decode worker, then Prefill while this request's feed (see decode_streams) collects
-        everything that can happen to it: the decode worker's updates, a prefill failure, a worker taken out of
-        routing, the deadline. One wake-up per batch of updates; the tokens that queued meanwhile (a client reading
-        slower than the engine steps) go out in one chunk."""
+        """Prefill and Reserve on the decode worker at once (the prompt is computed while pages are reserved; the
+        reservation then goes to the prefill worker in a Bind call), while this request's feed (see decode_streams)
+        collects everything that can happen to it: the decode worker's updates, a prefill failure, a worker taken
+        out of routing, the deadline. One wake-up per batch of updates; the tokens that queued meanwhile (a client
+        reading slower than the engine steps) go out in one chunk."""
         m = self.metrics
         sp = sampling_to_proto(params)
         md = self.pool.metadata
         feed: asyncio.Queue = asyncio.Queue()
         # Ends this attempt at once if either worker is taken out of routing (frozen, stalled, gone) meanwhile.
         down = asyncio.ensure_future(_first_down(prefill, decode))
-        call = prefill_task = deadline_timer = None
+        call = prefill_task = bind_task = deadline_timer = None
         output_ids: list[int] = []
         text: list[str] = []
         logprobs: list[gen_pb.TokenLogprobs] = []
@@ -322,25 +323,34 @@ class Router:
             else:  # the prefill worker's part is done: only the decode worker can hold this request up now
                 watch_down(decode)
 
+        def bind_done(task: asyncio.Future) -> None:
+            if not (task.cancelled() or ended) and task.exception() is not None:
+                feed.put_nowait(task.exception())  # the prefill would wait for its destination until its timeout
+
         try:
+            prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
+                request_id=rid, input_ids=ids, sampling_params=sp, destination_follows=True),
+                timeout=_left(deadline), metadata=md))
+            prefill_task.add_done_callback(prefill_done)
             reserve_call = asyncio.ensure_future(decode.stub.Reserve(
                 pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
                 metadata=md))
             try:
-                await asyncio.wait({reserve_call, down}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({reserve_call, down, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not reserve_call.done():
                     reserve_call.cancel()  # the decode worker releases what it reserved when the call ends
             if not reserve_call.done():
-                raise WorkerDown(down.result())
-            reserve: pb.ReserveResponse = reserve_call.result()
+                if down.done():
+                    raise WorkerDown(down.result())
+                await prefill_task  # it waits for its Bind: done before the reservation means it failed
+                raise ServiceError(grpc.StatusCode.INTERNAL, "the prefill worker answered before its KV destination")
+            reserve: pb.ReserveResponse = reserve_call.result()  # (its failure ends the attempt, and the Prefill)
             call = self.decode_streams.attach(decode, rid, feed)
-            prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
-                request_id=rid, input_ids=ids, sampling_params=sp, room=reserve.room,
-                kv_endpoint=reserve.kv_endpoint, dst_pages=reserve.dst_pages, dst_layout=reserve.layout,
-                skip_mtp_kv=reserve.skip_mtp_kv),
-                timeout=_left(deadline), metadata=md))
-            prefill_task.add_done_callback(prefill_done)
+            bind_task = asyncio.ensure_future(prefill.stub.Bind(pb.BindRequest(
+                request_id=rid, room=reserve.room, kv_endpoint=reserve.kv_endpoint, dst_pages=reserve.dst_pages,
+                dst_layout=reserve.layout, skip_mtp_kv=reserve.skip_mtp_kv), timeout=_left(deadline), metadata=md))
+            bind_task.add_done_callback(bind_done)
             watch_down(prefill, decode)
             if deadline is not None:
                 deadline_timer = asyncio.get_running_loop().call_later(
@@ -411,6 +421,8 @@ class Router:
                 call.cancel(rid)
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
+            if bind_task is not None and not bind_task.done():
+                bind_task.cancel()
             down.cancel()
             if decoding:
                 decode.decoding -= 1

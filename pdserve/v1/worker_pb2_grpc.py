@@ -40,6 +40,11 @@ class PrefillWorkerStub(object):
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Bind = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Bind',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.BindRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.BindResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Abort',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -66,6 +71,17 @@ class PrefillWorkerServicer(object):
         (the NextN layer included) plus the first token and last hidden state to the decode worker's KV endpoint,
         into the pages that worker reserved. Returns once the transfer is done. FAILED_PRECONDITION when the decode
         worker's KV layout is incompatible; UNAVAILABLE when it cannot be reached; DEADLINE_EXCEEDED on timeout.
+        With destination_follows the compute starts at once and the KV waits for a Bind call with its destination: the
+        router reserves on the decode worker while the prompt is computed, not before.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Bind(self, request, context):
+        """The destination of a Prefill sent with destination_follows (the decode worker's ReserveResponse). Answers at
+        once (before or after that Prefill arrives: they may overtake each other); the Prefill call reports what
+        becomes of the transfer. ALREADY_EXISTS for a second destination of one request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +115,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Bind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Bind,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.BindRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.BindResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -144,6 +165,33 @@ class PrefillWorker(object):
             '/pdserve.v1.PrefillWorker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Bind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Bind',
+            pdserve_dot_v1_dot_worker__pb2.BindRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.BindResponse.FromString,
             options,
             channel_credentials,
             insecure,

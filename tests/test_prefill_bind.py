@@ -1,0 +1,203 @@
+"""A prompt computed before its KV destination is known (the router reserves on the decode worker meanwhile): the
+prefill engine parks it (pages held, aux kept) and ships it at its bind with the rows and aux record a job bound from
+the start ships; a bind during the forward streams the layers computed so far at once; an aborted parked prompt lets
+its pages go. Through a real prefill worker: Bind before or after Prefill, a second Bind, and no Bind at all."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_cache import CacheConfig
+from pdserve.prefill_service.engine import PrefillEngine, PrefillJob
+from pdserve.sampling import SamplingParams
+from pdserve.spec_decode import SpeculativeConfig
+from pdserve.v1 import generate_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+from stack import decode_updates, generate, start_stack, wait_idle
+from test_prefill_streaming import BulkRecordingHandle, RecordingHandle
+
+PROMPT = "The router sends each request to a prefill worker"
+SPECULATING = SpeculativeConfig("NEXTN", 2)
+
+
+def engine_of(tiny_v3_dir, speculative=SPECULATING) -> PrefillEngine:
+    return PrefillEngine(LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
+                                                speculative=speculative)), sender=None)
+
+
+def run_bound(tiny_v3_dir, handle, ships_mtp=True):
+    """The reference: the same prompt on a fresh engine, bound from the start."""
+    engine = engine_of(tiny_v3_dir)
+    engine.add(PrefillJob("r", engine.core.encode(PROMPT), SamplingParams(), list(range(16)), ships_mtp=ships_mtp),
+               handle)
+    results = []
+    while engine.has_work:
+        results += engine.step()
+    return results
+
+
+def assert_same_shipment(got, reference) -> None:
+    assert sorted(got.layers) == sorted(reference.layers)
+    for layer in reference.layers:
+        torch.testing.assert_close(got.layers[layer], reference.layers[layer], rtol=0, atol=0)
+    assert got.aux["first_token_id"] == reference.aux["first_token_id"]
+    assert got.aux["rng_state"] == reference.aux["rng_state"]
+    torch.testing.assert_close(got.aux["hidden"], reference.aux["hidden"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("handle_cls", [RecordingHandle, BulkRecordingHandle])
+@pytest.mark.parametrize("ships_mtp", [True, False])
+def test_a_prompt_computed_before_its_bind_is_parked_then_shipped_as_if_bound(tiny_v3_dir, handle_cls, ships_mtp):
+    engine = engine_of(tiny_v3_dir)
+    alloc = engine.pool.allocator
+    prompt = engine.core.encode(PROMPT)
+    engine.add(PrefillJob("r", prompt, SamplingParams(), []), None)
+    results = []
+    while engine.has_work:
+        results += engine.step()
+    assert results == [] and not engine.has_work  # computed, nothing shipped: no destination yet
+    parked_pages = -(-len(prompt) // 4)
+    assert engine.core.kv_pages_in_use_by_requests() >= parked_pages  # held past the request's end
+    handle = handle_cls([])
+    engine.bind("r", handle, list(range(16)), ships_mtp)
+    shipped = engine.apply_binds()
+    assert [r.request_id for r in shipped] == ["r"] and shipped[0].handle is handle
+    assert shipped[0].first_token_id == handle.aux["first_token_id"]
+    assert engine.core.kv_pages_in_use_by_requests() == 0
+    assert alloc.num_free + alloc.num_tracked_alone == alloc.num_pages  # the prefix cache's alone
+    reference = RecordingHandle([])
+    assert run_bound(tiny_v3_dir, reference, ships_mtp)[0].first_token_id == shipped[0].first_token_id
+    assert_same_shipment(handle, reference)
+    assert engine.apply_binds() == []
+
+
+def test_a_bind_during_the_forward_streams_the_layers_computed_so_far_then_the_rest(tiny_v3_dir):
+    engine = engine_of(tiny_v3_dir)
+    events: list[str] = []
+    handle = RecordingHandle(events)
+    main = engine.num_main_layers
+    assert main >= 3  # (layer 1 is done before the last one starts)
+
+    def bind_once(*_) -> None:  # the bind comes (the servicer's call) as layer 1 of the final chunk starts
+        if "bind" not in events:
+            events.append("bind")
+            engine.bind("r", handle, list(range(16)), True)
+
+    engine.core.model.layers[1].register_forward_pre_hook(bind_once)
+    engine.core.model.layers[-1].register_forward_pre_hook(lambda *_: events.append("last layer starts"))
+    engine.add(PrefillJob("r", engine.core.encode(PROMPT), SamplingParams(), []), None)
+    results = []
+    while engine.has_work:
+        results += engine.step()
+    assert [r.handle for r in results] == [handle]
+    sends = [e for e in events if e.startswith("send")]
+    # Layer 0 was computed before the bind: it goes at layer 1's end with it, during the forward, then one per layer.
+    assert events.index("bind") < events.index("send 0") < events.index("send 1") < events.index("last layer starts")
+    assert sends == [f"send {i}" for i in range(engine.core.model_config.num_kv_layers)] and events[-1] == "finish"
+    reference = RecordingHandle([])
+    run_bound(tiny_v3_dir, reference)
+    assert_same_shipment(handle, reference)
+
+
+def test_an_aborted_parked_prompt_lets_its_pages_go_and_a_late_bind_is_aborted(tiny_v3_dir):
+    engine = engine_of(tiny_v3_dir)
+    alloc = engine.pool.allocator
+    engine.add(PrefillJob("r", engine.core.encode(PROMPT), SamplingParams(), []), None)
+    while engine.has_work:
+        engine.step()
+    assert engine.core.kv_pages_in_use_by_requests() > 0
+    assert engine.abort("r")
+    assert engine.core.kv_pages_in_use_by_requests() == 0
+    assert alloc.num_free + alloc.num_tracked_alone == alloc.num_pages  # the prefix cache's alone
+    late = RecordingHandle([])
+    engine.bind("r", late, list(range(16)), True)
+    assert engine.apply_binds() == [] and late.events == ["abort"] and not late.layers
+    # Aborted while still computing (not parked yet): the same.
+    engine.add(PrefillJob("s", engine.core.encode(PROMPT), SamplingParams(), []), None)
+    assert engine.abort("s") and not engine.has_work
+    assert engine.core.kv_pages_in_use_by_requests() == 0
+
+
+def test_the_destinations_checks_come_before_anything_is_sent(tiny_v3_dir):
+    plain = engine_of(tiny_v3_dir, SpeculativeConfig())
+    job = PrefillJob("r", plain.core.encode(PROMPT), SamplingParams(), [])
+    with pytest.raises(ValueError, match="--speculative-algorithm"):
+        plain.check_destination(job, list(range(16)), ships_mtp=True)
+    with pytest.raises(ValueError, match="decode reserved 1 pages but the prompt needs"):
+        plain.check_destination(job, [0], ships_mtp=False)
+    plain.check_destination(job, list(range(16)), ships_mtp=False)
+
+
+# ---- through a real prefill worker ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stack(tiny_v3_dir, tmp_path_factory):
+    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-bind"))
+    yield s
+    s.stop()
+
+
+def _reserve(decode_stub, rid, prompt, max_new_tokens=4) -> pb.ReserveResponse:
+    params = gen_pb.SamplingParams(max_new_tokens=max_new_tokens)
+    return decode_stub.Reserve(pb.ReserveRequest(request_id=rid, input_ids=prompt, sampling_params=params), timeout=10)
+
+
+def _bind_request(rid, reserve: pb.ReserveResponse) -> pb.BindRequest:
+    return pb.BindRequest(request_id=rid, room=reserve.room, kv_endpoint=reserve.kv_endpoint,
+                          dst_pages=reserve.dst_pages, dst_layout=reserve.layout, skip_mtp_kv=reserve.skip_mtp_kv)
+
+
+def _prefill_request(rid, prompt, max_new_tokens=4) -> pb.PrefillRequest:
+    return pb.PrefillRequest(request_id=rid, input_ids=prompt, destination_follows=True,
+                             sampling_params=gen_pb.SamplingParams(max_new_tokens=max_new_tokens))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bind_first", [False, True])
+def test_bind_before_or_after_prefill_gives_the_tokens_of_a_routed_request(stack, bind_first):
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    rid = f"bind-{bind_first}"
+    pool = ThreadPoolExecutor(3)
+    with grpc.insecure_channel(stack.decode[0].address) as dch, grpc.insecure_channel(stack.prefill[0].address) as pch:
+        decode, prefill = pb_grpc.DecodeWorkerStub(dch), pb_grpc.PrefillWorkerStub(pch)
+        reserve = _reserve(decode, rid, prompt)
+        updates = pool.submit(decode_updates, decode, rid)
+        if bind_first:
+            prefill.Bind(_bind_request(rid, reserve), timeout=10)
+            response = prefill.Prefill(_prefill_request(rid, prompt), timeout=30)
+        else:
+            call = pool.submit(prefill.Prefill, _prefill_request(rid, prompt), timeout=30)
+            time.sleep(0.5)  # computed and parked by now on this tiny model
+            assert not call.done()  # it waits for its destination
+            prefill.Bind(_bind_request(rid, reserve), timeout=10)
+            response = call.result(30)
+        tokens = [t for u in updates.result(30) for t in u.token_ids]
+    assert tokens[0] == response.first_token_id and len(tokens) == 4
+    assert generate(stack.router.address, prompt, SamplingParams(max_new_tokens=4)).output_ids == tokens
+    idle = wait_idle(stack.prefill[0])
+    assert idle.num_free_pages == idle.num_total_pages and idle.num_running_requests == 0, idle
+
+
+@pytest.mark.slow
+def test_a_second_bind_is_already_exists_and_a_prefill_never_bound_ends_at_its_deadline_holding_nothing(stack):
+    prompt = [21, 22, 23, 24, 25, 26]
+    with grpc.insecure_channel(stack.decode[0].address) as dch, grpc.insecure_channel(stack.prefill[0].address) as pch:
+        decode, prefill = pb_grpc.DecodeWorkerStub(dch), pb_grpc.PrefillWorkerStub(pch)
+        reserve = _reserve(decode, "twice", prompt)
+        prefill.Bind(_bind_request("twice", reserve), timeout=10)
+        with pytest.raises(grpc.RpcError) as second:
+            prefill.Bind(_bind_request("twice", reserve), timeout=10)
+        assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS, second.value
+        decode.Abort(pb.AbortRequest(request_id="twice"), timeout=10)
+        with pytest.raises(grpc.RpcError) as unbound:
+            prefill.Prefill(_prefill_request("never-bound", prompt), timeout=1.0)
+        assert unbound.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, unbound.value
+    idle = wait_idle(stack.prefill[0], 10)
+    assert idle.num_free_pages == idle.num_total_pages and idle.num_running_requests == 0, idle
