@@ -106,8 +106,11 @@ class Router:
         matched: dict[str, int] = {}
         if hashes and time.monotonic() >= self._ownership_retry_at:
             try:
-                # Off the event loop: a hung Redis costs this request its socket timeout, not every request.
-                matched = await asyncio.to_thread(self.ownership.match, hashes)
+                if self.ownership.blocking:
+                    # Off the event loop: a hung Redis costs this request its socket timeout, not every request.
+                    matched = await asyncio.to_thread(self.ownership.match, hashes)
+                else:
+                    matched = self.ownership.match(hashes)
             except OwnershipUnavailable as e:  # Redis away: route by load only, never fail the request
                 self.metrics.count(self.metrics.redis_errors)
                 self._ownership_retry_at = time.monotonic() + 1.0
@@ -169,7 +172,7 @@ class Router:
         if not ids:
             raise invalid(f"{field}: the prompt is empty")
         info = self.model_info()
-        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        bad = [t for t in ids if not 0 <= t < info.vocab_size] if min(ids) < 0 or max(ids) >= info.vocab_size else []
         if bad:
             raise invalid(f"{field}: token ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
         if len(ids) >= info.max_context_length:

@@ -29,6 +29,10 @@ class OwnershipUnavailable(RuntimeError):
 class OwnershipStore(ABC):
     """Which worker owns which prefix blocks. All methods are thread-safe."""
 
+    # True where a call waits on the network (a router calls those off its event loop; the others inline: a
+    # thread hop costs more than the call).
+    blocking: bool = True
+
     @abstractmethod
     def record(self, worker_id: str, hashes: Sequence[bytes]) -> None:
         """`worker_id` now holds these blocks in its prefix cache."""
@@ -70,6 +74,8 @@ OWNERSHIP_STORES: Registry[type[OwnershipStore]] = Registry("ownership store")
 @OWNERSHIP_STORES.register("memory")
 class MemoryOwnership(OwnershipStore):
     """In-process dicts behind one lock: exact, no expiry (drop_worker forgets a dead worker)."""
+
+    blocking = False
 
     def __init__(self) -> None:
         self._owners: dict[bytes, set[str]] = {}  # block hash -> workers holding it
