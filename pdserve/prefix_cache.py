@@ -21,7 +21,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from pdserve.common.blocks import block_hashes, iter_block_hashes
+from pdserve.common.blocks import leading_block_hashes
 from pdserve.kv_cache import PageAllocator
 
 
@@ -69,8 +69,9 @@ class PrefixCache:
         key = self._page_key[page]
         self._offer(self._blocks[key], key)
 
-    def match(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def match(self, token_ids: Sequence[int], memo: Optional[list[bytes]] = None) -> tuple[list[int], int]:
         """Longest cached prefix of `token_ids` as (pages, num_cached_tokens), leaving at least one token uncached.
+        `memo`: the sequence's block keys made so far (see `leading_block_hashes`), reused and extended.
 
         The caller receives one reference on each returned page and must decref them when done. The pages hold
         finished KV and must not be written; `num_cached_tokens` is a multiple of page_size, so the first
@@ -79,7 +80,7 @@ class PrefixCache:
         # NOTE: at least the last prompt token must go through the model to produce logits, hence len - 1.
         max_blocks = max(len(token_ids) - 1, 0) // self.page_size
         pages: list[int] = []
-        for key in iter_block_hashes(token_ids, self.page_size, max_blocks):
+        for key in leading_block_hashes(token_ids, self.page_size, max_blocks, memo):
             block = self._blocks.get(key)
             if block is None:
                 break
@@ -91,14 +92,14 @@ class PrefixCache:
         self.queried_tokens += len(token_ids)
         return pages, num_cached
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], memo: Optional[list[bytes]] = None) -> int:
         """Register the full blocks of `token_ids`, stored in `pages`; returns how many blocks were new.
 
         Only pass tokens whose KV has been written: the last sampled token of a request has not been run
         through the model yet. A key that is already cached keeps its existing page (this request's page for that
         block stays private to it), so inserting the same sequence again changes nothing.
         """
-        keys = block_hashes(token_ids, self.page_size)
+        keys = leading_block_hashes(token_ids, self.page_size, len(token_ids) // self.page_size, memo)
         if len(pages) < len(keys):
             raise ValueError(f"{len(keys)} full blocks of tokens but only {len(pages)} pages")
         parent: Optional[bytes] = None

@@ -35,6 +35,7 @@ class Request:
     num_preemptions: int = 0
     generator: Any = None  # torch.Generator for seeded sampling (kept opaque: the scheduler never touches torch)
     spec: Any = None  # speculative decoding's draft state (spec_decode.DraftState); cleared when KV is dropped
+    block_keys: list = field(default_factory=list)  # prefix-cache keys of its leading full blocks, made once each
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -176,7 +176,7 @@ class Scheduler:
             req = self.waiting[0]
             # A prompt whose every position's logprobs are asked for is computed in full.
             reuse = self.config.enable_prefix_cache and req.params.prompt_logprobs is None
-            pages, cached = self.prefix_cache.match(req.all_token_ids) if reuse else ([], 0)
+            pages, cached = self.prefix_cache.match(req.all_token_ids, req.block_keys) if reuse else ([], 0)
             n = min(req.num_tokens - cached, budget)
             need = -(-(cached + n) // self.page_size) - len(pages)
             new = self.prefix_cache.alloc_with_eviction(need)
@@ -258,7 +258,7 @@ class Scheduler:
     def _publish(self, req: Request) -> None:
         """Register req's full pages in the prefix cache; only tokens whose KV is written count."""
         if self.config.enable_prefix_cache and req.num_computed_tokens:
-            self.prefix_cache.insert(req.all_token_ids[: req.num_computed_tokens], req.pages)
+            self.prefix_cache.insert(req.all_token_ids[: req.num_computed_tokens], req.pages, req.block_keys)
 
     def update(self, out: SchedulerOutput) -> None:
         """Account the tokens computed by the step; call it before appending the sampled tokens."""

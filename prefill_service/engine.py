@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pdserve.common.blocks import block_hashes
+from pdserve.common.blocks import leading_block_hashes
 from pdserve.common.values import TokenLogprob
 from pdserve.engine import LLMEngine, StepHooks
 from pdserve.kv_cache import token_slots
@@ -167,8 +167,6 @@ class PrefillEngine(StepHooks):
         for out in self.core.step():  # the hooks below shipped (or parked) each finished prompt's KV and aux record
             assert out.finished, "a prefill request ends with its first token"
             job, handle = self._jobs[out.request_id]
-            if self.on_blocks is not None:
-                self.on_blocks(block_hashes(job.prompt_ids, self.pool.page_size))
             result = PrefillResult(out.request_id, out.output_ids[0], out.cached_tokens, handle,
                                    time.monotonic() - job.arrival_time,
                                    out.logprobs[0] if out.logprobs else None, out.prompt_logprobs)
@@ -241,6 +239,10 @@ class PrefillEngine(StepHooks):
                     jobs[i][1].send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
                                            self._slots_of(prompts[i]))
         hidden_host = hidden.detach().to("cpu", torch.float32)  # (prompts, D): one copy for the step's prompts
+        if self.on_blocks is not None:  # (the keys the prefix cache made for these prompts: no hashing again)
+            ps = self.pool.page_size
+            for req in prompts:
+                self.on_blocks(leading_block_hashes(req.prompt_ids, ps, req.num_prompt_tokens // ps, req.block_keys))
         for req, (_, handle), tok, h in zip(prompts, jobs, first_tokens, hidden_host):
             aux = {"first_token_id": tok, "cached_tokens": req.num_cached_tokens, "hidden": h.clone(),
                    "rng_state": _rng_state(req.generator)}

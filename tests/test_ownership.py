@@ -8,7 +8,7 @@ import time
 import pytest
 from redis_server import redis_fixture
 
-from pdserve.prefix_cache import block_hashes
+from pdserve.common.blocks import block_hashes
 from pdserve.cluster.ownership import (OWNERSHIP_STORES, MemoryOwnership, OwnershipUnavailable, RedisOwnership,
                                       leading_runs)
 

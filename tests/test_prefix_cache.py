@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from pdserve.kv_cache import PageAllocator
-from pdserve.prefix_cache import PrefixCache, block_hashes
+from pdserve.common.blocks import block_hashes
+from pdserve.prefix_cache import PrefixCache
 
 
 def make(num_pages=32, page_size=4):
@@ -61,6 +62,31 @@ def test_block_hash_prefix_property():
     assert block_hashes([7] * 8, ps)[1] != block_hashes([7] * 4, ps)[0]
     with pytest.raises(ValueError):
         block_hashes(base, 0)
+
+
+def test_a_sequences_keys_are_made_once_through_its_memo(monkeypatch):
+    """A request's keys (Request.block_keys) are reused by match, the insert after its prompt and the one at its
+    end, and extended only by the blocks its later tokens fill; the cache ends as it would without the memo."""
+    import pdserve.common.blocks as blocks
+
+    tokens = list(range(300, 323))  # 5 full blocks of 4 and 3 tokens
+    expected = block_hashes(tokens, 4)
+    made = []
+    real = blocks.hashlib.blake2b
+    monkeypatch.setattr(blocks.hashlib, "blake2b", lambda *a, **k: (made.append(1), real(*a, **k))[1])
+    memo: list[bytes] = []
+    alloc, cache, _ = make(page_size=4)
+    pages, _ = cache.match(tokens[:18], memo)  # a prompt of 18: its 4 full blocks' keys ((18 - 1) // 4)
+    assert len(made) == 4 and memo == expected[:4]
+    pages += alloc.alloc(5)
+    cache.insert(tokens[:18], pages, memo)
+    cache.insert(tokens[:23], pages, memo)  # after 5 generated tokens: one new full block
+    assert len(made) == 5 and memo == expected
+    monkeypatch.setattr(blocks.hashlib, "blake2b", real)
+    plain_alloc, plain, _ = make(page_size=4)
+    plain_pages = plain.match(tokens[:18])[0] + plain_alloc.alloc(5)
+    plain.insert(tokens[:23], plain_pages)
+    assert cache.hashes() == plain.hashes() and pages == plain_pages
 
 
 # ---- match / insert -------------------------------------------------------------------------------------------

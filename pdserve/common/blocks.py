@@ -6,19 +6,26 @@ the prefill workers' caches and the shared ownership store (Redis) all name bloc
 
 from __future__ import annotations
 
+import array
 import hashlib
-import struct
-from typing import Iterator, Sequence
+import sys
+from typing import Iterator, Optional, Sequence
 
 HASH_BYTES = 16
 
 
-def iter_block_hashes(token_ids: Sequence[int], page_size: int, num_blocks: int) -> Iterator[bytes]:
-    prev = b""
-    for i in range(num_blocks):
-        block = token_ids[i * page_size : (i + 1) * page_size]
+def iter_block_hashes(token_ids: Sequence[int], page_size: int, num_blocks: int,
+                      prev: bytes = b"", first_block: int = 0) -> Iterator[bytes]:
+    """Keys of blocks first_block .. num_blocks-1; `prev`: the key of block first_block-1 (b"" before block 0)."""
+    # NOTE: the tokens' int64-LE bytes made once, in C (array), then sliced per block: packing them block by block
+    # from Python ints cost 2.6x more (0.23 ms for a 2048-token prompt on a 2-core CPU, several times per prompt).
+    ids = array.array("q", token_ids[first_block * page_size: num_blocks * page_size])
+    if sys.byteorder != "little":
+        ids.byteswap()
+    data, step = memoryview(ids).cast("B"), page_size * ids.itemsize
+    for i in range(num_blocks - first_block):
         h = hashlib.blake2b(prev, digest_size=HASH_BYTES)
-        h.update(struct.pack(f"<{page_size}q", *(int(t) for t in block)))
+        h.update(data[i * step:(i + 1) * step])
         prev = h.digest()
         yield prev
 
@@ -28,3 +35,15 @@ def block_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
     if page_size <= 0:
         raise ValueError(f"page_size={page_size} must be positive")
     return list(iter_block_hashes(token_ids, page_size, len(token_ids) // page_size))
+
+
+def leading_block_hashes(token_ids: Sequence[int], page_size: int, num_blocks: int,
+                         memo: Optional[list[bytes]] = None) -> list[bytes]:
+    """The keys of the first `num_blocks` blocks. `memo`: keys of this same token sequence's leading blocks made
+    before (a request's, whose tokens only grow), reused and extended in place, so a prompt is hashed once however
+    often its keys are asked for (prefix match, the inserts after its prompt and at its end, ownership)."""
+    if memo is None:
+        return list(iter_block_hashes(token_ids, page_size, num_blocks))
+    if len(memo) < num_blocks:
+        memo.extend(iter_block_hashes(token_ids, page_size, num_blocks, memo[-1] if memo else b"", len(memo)))
+    return memo[:num_blocks]
