@@ -162,8 +162,11 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.cli.engine_args import engine_config_from_args
     from pdserve.serving.metrics import Metrics
     from pdserve.prefill_service.publisher import OwnershipPublisher
-    from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
+    from pdserve.prefill_service.server import (
+        GIL_SWITCH_INTERVAL_S, PrefillWorker, PrefillWorkerConfig, serve_prefill,
+    )
 
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     _nccl_error_handling(args)
     _show_kv_pairings()
     start = time.monotonic()
