@@ -18,7 +18,10 @@ reported (the first one's time and longest step are kept beside it). It reports 
 the prefill time of one prompt alone (median of 3).
 
 Ratios (stack / engine): output tok/s at c vs batch c; TPOT and ITL (means) vs the engine's decode step at batch c;
-TTFT (median) vs the prefill time of one prompt; input tok/s at c vs the engine's prefill rate at batch c.
+TTFT (median) vs the prefill time of one prompt; input tok/s at c vs the engine's prefill rate at batch c. That last
+one is diluted by decoding (the stack's wall time holds the generated tokens, the engine's prefill rate does not), so
+a prompts-only run measures prefill through the stack: --prompts-only-concurrency c (default 32) prompts of the same
+length with 1 new token each, the stack's input tok/s against the engine's prefill rate on c such prompts at once.
 
 Models: `demo` = models/tiny-trained (512 in / 128 out by default); `v3` = a DeepSeek-V3 slice (real widths,
 --v3-layers layers + NextN, block-FP8 dummy weights: `--load-format dummy` on a config.json written under --work-dir;
@@ -154,9 +157,28 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> Non
                 f"{r['output_token_throughput']:.0f} out tok/s, {r['input_token_throughput']:.0f} in tok/s, "
                 f"TTFT p50 {_ms(r['ttft']['median_ms'])}, ITL {_ms(r['itl']['mean_ms'])}, TPOT "
                 f"{_ms(r['tpot']['mean_ms'])} ({time.monotonic() - t:.1f} s)")
+        c = args.prompts_only_concurrency
+        if c:
+            path = os.path.join(out, "bench_prompts_only.json")
+            bench = [sys.executable, "-m", "pdserve", "bench", "--target", f"127.0.0.1:{port}", "--num-prompts",
+                     str(num_prompts(args, c)), "--input-len", str(model["input_len"]), "--output-len", "1",
+                     "--max-concurrency", str(c), "--seed", str(PROMPTS_ONLY_SEED), "--json", path, "--no-progress"]
+            proc = subprocess.run(bench, cwd=ROOT, capture_output=True, text=True, timeout=args.bench_timeout)
+            if proc.returncode != 0 or not os.path.isfile(path):
+                raise RuntimeError(f"pdserve bench (prompts only) failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+            with open(path) as f:
+                r = json.load(f)
+            r.update(concurrency=c, seed=PROMPTS_ONLY_SEED, command=shlex.join(["pdserve", *bench[3:]]))
+            result["prompts_only"] = r
+            save()
+            log(f"{name}: prompts only, c={c}: {r['completed']} ok, {r['failed']} failed, "
+                f"{r['input_token_throughput']:.0f} in tok/s, TTFT p50 {_ms(r['ttft']['median_ms'])}")
     finally:
         stop(up)
         result["stack_s"] = time.monotonic() - t0
+
+
+PROMPTS_ONLY_SEED = 100  # the prompts-only run's prompts, the same on both sides (none shared with the other runs)
 
 
 def num_prompts(args, c: int) -> int:
@@ -173,6 +195,7 @@ def run_engine_process(args, name: str, model: dict, out: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--engine-only", path, "--out", out,
            "--input-len", str(model["input_len"]), "--output-len", str(model["output_len"]),
            "--concurrency", *map(str, args.concurrency), "--device", args.device,
+           "--prompts-only-concurrency", str(args.prompts_only_concurrency),
            *(["--num-prompts", str(args.num_prompts)] if args.num_prompts else []),
            "--", *engine_flags(args, model)]
     log(f"{name}: the engine alone: {shlex.join(cmd[1:])}")
@@ -259,6 +282,13 @@ def engine_only(args) -> None:
         log(f"engine: batch {c}: {r['output_tok_s']:.0f} out tok/s, decode step {_ms(r['decode_step_ms'])}, TPOT "
             f"{_ms(r['tpot_ms'])}, prefill {r['prefill_tok_s'] or 0:.0f} tok/s, one prompt "
             f"{r['prefill_one_ms']:.2f} ms")
+    c = args.prompts_only_concurrency
+    if c:
+        prompts = prompts_of(PROMPTS_ONLY_SEED, c)
+        timed_generate(prompts, 1)  # (as above: the second pass is reported)
+        r = timed_generate(prompts, 1)
+        result["prompts_only"] = {"batch": c, "prefill_tok_s": r["prefill_tok_s"], "seconds": r["seconds"]}
+        log(f"engine: prompts only, batch {c}: prefill {r['prefill_tok_s'] or 0:.0f} tok/s")
     with open(args.engine_only, "w") as f:
         json.dump(result, f, indent=2)
 
@@ -316,7 +346,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def targets(rows: list[dict]) -> list[str]:
+def prompts_only_rows(name: str, stack: dict, engine: dict) -> list[dict]:
+    s, e = stack.get("prompts_only"), engine.get("prompts_only")
+    if not s or not e:
+        return []
+    return [{"model": name, "concurrency": s["concurrency"], "prompts": s["num_prompts"], "failed": s["failed"],
+             "stack_in_tok_s": s["input_token_throughput"], "engine_prefill_tok_s": e["prefill_tok_s"],
+             "ratio": ratio(s["input_token_throughput"], e["prefill_tok_s"]),
+             "stack_ttft_p50_ms": s["ttft"]["median_ms"]}]
+
+
+def prompts_only_table(rows: list[dict]) -> str:
+    lines = ["| model | c | failed | in tok/s stack / engine prefill rate | ratio | TTFT p50 ms |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['concurrency']} | {r['failed']}/{r['prompts']} | "
+                     f"{_f(r['stack_in_tok_s'])} / {_f(r['engine_prefill_tok_s'])} | **{_f(r['ratio'])}** | "
+                     f"{_f(r['stack_ttft_p50_ms'])} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
     """Each of the issue's targets that this run measured, met or missed."""
     out = []
 
@@ -340,9 +390,14 @@ def targets(rows: list[dict]) -> list[str]:
         check("TTFT p50 at c=1 / engine prefill of the prompt (transfer time not added)", at.get(1), "ttft_ratio",
               TARGETS["ttft_c1"], False)
         if model == "v3":
-            check("input tok/s at c=32 / engine prefill rate", at.get(32), "in_tok_s_ratio", TARGETS["in_tok_s_c32"],
-                  True)
-    failed = sum(r["failed"] for r in rows)
+            only = next((r for r in prompts_only if r["model"] == model and r["concurrency"] == 32), None)
+            if only is not None:
+                check("input tok/s at c=32, prompts only / engine prefill rate", only, "ratio",
+                      TARGETS["in_tok_s_c32"], True)
+            else:
+                check("input tok/s at c=32 / engine prefill rate (decoding included)", at.get(32), "in_tok_s_ratio",
+                      TARGETS["in_tok_s_c32"], True)
+    failed = sum(r["failed"] for r in rows) + sum(r["failed"] for r in prompts_only)
     out.append(f"- zero failed requests: {failed} failed: **{'met' if failed == 0 else 'missed'}**")
     return out
 
@@ -402,6 +457,9 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None, help="default: room for every request at the top concurrency")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prompts-only-concurrency", type=int, default=32,
+                   help="a run of prompts with 1 new token each at this concurrency, for the input tok/s target "
+                        "(0: none)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="default pdserve's (64): bigger batches decode eagerly, in the stack and the engine alike")
     p.add_argument("--speculative-num-steps", type=int, default=0, help="NextN with k steps on both sides (0: off)")
@@ -467,12 +525,13 @@ def main() -> None:
 
 
 def write_results(result: dict, args, command: str, t0: float) -> str:
-    rows = []
+    rows, only = [], []
     for name, entry in result["models"].items():
         if "engine" in entry:
             rows += rows_of(name, entry["stack"], entry["engine"])
-    result["rows"] = rows
-    result["targets"] = targets(rows) if rows else []
+            only += prompts_only_rows(name, entry["stack"], entry["engine"])
+    result["rows"], result["prompts_only_rows"] = rows, only
+    result["targets"] = targets(rows, only) if rows else []
     result["first_run_failed"] = {name: e["stack"]["runs"][0]["failed"] for name, e in result["models"].items()
                                   if e["stack"]["runs"]}
     result["seconds"] = time.monotonic() - t0
@@ -488,7 +547,12 @@ def write_results(result: dict, args, command: str, t0: float) -> str:
                      f"{entry['engine']['warmup_s']:.1f} s" if "engine" in entry else "")
                   + (f"; **error**: {entry['error'][:300]}" if "error" in entry else ""))
     if rows:
-        md += ["", table(rows), "", "Targets (issue 17):", *result["targets"]]
+        md += ["", table(rows)]
+        if only:
+            md += ["", f"Prompts only ({args.prompts_only_concurrency} at a time, 1 new token each; the engine: as "
+                   "many prompts at once), where the input tok/s above is diluted by decoding:", "",
+                   prompts_only_table(only)]
+        md += ["", "Targets (issue 17):", *result["targets"]]
     text = "\n".join(md) + "\n"
     with open(os.path.join(args.out, "serving.json"), "w") as f:
         json.dump(result, f, indent=2)

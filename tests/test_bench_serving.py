@@ -18,7 +18,7 @@ def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
     out = tmp_path / "serving"
     proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--out", str(out), "--device", "cpu",
                            "--models", "demo", "--concurrency", "1", "2", "--num-prompts", "4",
-                           "--demo-input-len", "16", "--demo-output-len", "4"],
+                           "--demo-input-len", "16", "--demo-output-len", "4", "--prompts-only-concurrency", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "serving.json").read_text())
@@ -34,8 +34,16 @@ def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
             assert r[key] is not None and r[key] > 0, (key, r)
         assert r["out_tok_s_ratio"] == pytest.approx(r["stack_out_tok_s"] / r["engine_out_tok_s"])
     assert result["first_run_failed"] == {"demo": 0} and result["git"] and result["date"]
+    # Prompts only (1 new token each): prefill through the stack against the engine's prefill rate.
+    only = demo["stack"]["prompts_only"]
+    assert only["completed"] == 4 and only["failed"] == 0 and only["total_output_tokens"] == 4, only
+    assert demo["engine"]["prompts_only"]["batch"] == 2
+    (row,) = result["prompts_only_rows"]
+    engine_rate = demo["engine"]["prompts_only"]["prefill_tok_s"]
+    assert row["ratio"] == pytest.approx(only["input_token_throughput"] / engine_rate)
     md = (out / "serving.md").read_text()
     assert "bench_serving.py --out" in md and "| demo | 2 | 0/4 |" in md and "zero failed requests" in md
+    assert "Prompts only (2 at a time" in md
     assert sorted(f.name for f in out.iterdir()) == ["demo_up.log", "serving.json", "serving.md"]
 
 
