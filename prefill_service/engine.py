@@ -239,10 +239,6 @@ class PrefillEngine(StepHooks):
                     jobs[i][1].send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
                                            self._slots_of(prompts[i]))
         hidden_host = hidden.detach().to("cpu", torch.float32)  # (prompts, D): one copy for the step's prompts
-        if self.on_blocks is not None:  # (the keys the prefix cache made for these prompts: no hashing again)
-            ps = self.pool.page_size
-            for req in prompts:
-                self.on_blocks(leading_block_hashes(req.prompt_ids, ps, req.num_prompt_tokens // ps, req.block_keys))
         for req, (_, handle), tok, h in zip(prompts, jobs, first_tokens, hidden_host):
             aux = {"first_token_id": tok, "cached_tokens": req.num_cached_tokens, "hidden": h.clone(),
                    "rng_state": _rng_state(req.generator)}
@@ -251,6 +247,10 @@ class PrefillEngine(StepHooks):
             else:  # held past the request's end (this step) until its bind ships them
                 self.pool.allocator.incref(req.pages)
                 self._parked[req.request_id] = _Parked(list(req.pages), self._slots_of(req), aux)
+        if self.on_blocks is not None:  # after the KV went: the keys the prefix cache made, no hashing again
+            ps = self.pool.page_size
+            for req in prompts:
+                self.on_blocks(leading_block_hashes(req.prompt_ids, ps, req.num_prompt_tokens // ps, req.block_keys))
         self._slots.clear()
 
     def _slots_of(self, req: Request) -> torch.Tensor:
