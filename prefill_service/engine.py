@@ -99,10 +99,7 @@ class PrefillEngine(StepHooks):
 
     def num_layers_for(self, job: PrefillJob) -> int:
         """Layers the job's room carries: the main model's, then the MTP layer's when it ships them."""
-        return self.num_layers(job.ships_mtp)
-
-    def num_layers(self, ships_mtp: bool) -> int:
-        return self.num_main_layers + (self._num_mtp_layers if ships_mtp else 0)
+        return self.num_main_layers + (self._num_mtp_layers if job.ships_mtp else 0)
 
     def check_destination(self, job: PrefillJob, dst_pages: list[int], ships_mtp: bool) -> None:
         """ValueError where a destination cannot take the job (any thread: reads nothing that changes)."""

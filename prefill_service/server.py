@@ -231,7 +231,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             raise
         job.dst_pages, job.ships_mtp = dst_pages, ships_mtp
         return await asyncio.to_thread(w.sender.begin, destination.kv_endpoint, destination.room,
-                                       w.engine.num_layers(ships_mtp), dst_pages)
+                                       w.engine.num_layers_for(job), dst_pages)
 
 
 async def serve_prefill(worker: PrefillWorker, ready=None) -> None:
