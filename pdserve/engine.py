@@ -21,8 +21,9 @@ from pdserve.model_runner import ModelRunner
 from pdserve.overlap import LaunchedDecode
 from pdserve.prefix_cache import PrefixCache
 from pdserve.request import FinishReason, Request
+from pdserve.common.stopping import StopChecker
 from pdserve.sampling import (
-    Sampler, SamplingParams, StopChecker, TokenLogprob, logprob_temperature, make_generator, token_logprobs,
+    Sampler, SamplingParams, TokenLogprob, logprob_temperature, make_generator, token_logprobs,
 )
 from pdserve.scheduler import Scheduler, SchedulerConfig, SpecDecode
 from pdserve.spec_decode import NextNSpeculator, SpecObserver, SpeculativeConfig

@@ -1,15 +1,8 @@
 import pytest
 import torch
 
-from pdserve.sampling import (
-    Sampler,
-    SamplingParams,
-    StopChecker,
-    StopStringMatcher,
-    check_stop,
-    make_generator,
-    probs_after_processing,
-)
+from pdserve.common.stopping import StopChecker, StopStringMatcher, check_stop
+from pdserve.sampling import Sampler, SamplingParams, make_generator, probs_after_processing
 
 
 @pytest.mark.parametrize(
