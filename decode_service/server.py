@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +49,7 @@ class DecodeWorkerConfig:
     security: SecurityConfig = SecurityConfig()
     warmup: bool = True  # run the warm-up (pdserve/serving/warmup.py) before the port opens
     test_hook_slow_first_forward_s: float = 0.0  # TEST HOOK: the first forward sleeps this long (a cold compile)
+    test_hook_slow_kv_arrival_s: float = 0.0  # TEST HOOK: each prompt's received KV waits this long (a slow transfer)
 
     def __post_init__(self) -> None:
         check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
@@ -74,7 +76,7 @@ class DecodeWorker:
             TRANSPORTS.get(config.kv_transport).receiver, self.layout, host=config.kv_host, port=config.kv_port,
             on_layer=lambda rid, layer, slots, values: self.loop.submit(
                 lambda: self.engine.kv_layer(rid, layer, slots, values)),
-            on_done=lambda rid, aux: self.loop.submit(lambda: self.engine.kv_done(rid, aux)),
+            on_done=self._kv_arrived,
             on_failed=lambda rid, err: self.loop.submit(lambda: self.engine.kv_failed(rid, err)),
             timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
             max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size,
@@ -91,6 +93,17 @@ class DecodeWorker:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.aio_loop = loop
         self.loop.start()
+
+    def _kv_arrived(self, request_id: str, aux: dict) -> None:
+        """The receiver's thread: a prompt's KV and aux record are in; the engine thread admits the request."""
+        def admit() -> None:
+            self.loop.submit(lambda: self.engine.kv_done(request_id, aux))
+
+        delay = self.config.test_hook_slow_kv_arrival_s
+        if delay:
+            threading.Timer(delay, admit).start()
+        else:
+            admit()
 
     # ---- engine thread ------------------------------------------------------------------------------------------
     def _step(self) -> None:

@@ -89,6 +89,7 @@ class PrefillWorker:
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
         self.destinations: Optional[Destinations] = None  # Bind calls' destinations, by request id
+        self.transfers: set[asyncio.Task] = set()  # KV transfers of answered Prefill calls, still in flight
         self.last_load = self.load()  # read here, before the engine thread starts
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -123,6 +124,31 @@ class PrefillWorker:
         # NOTE: the exception's text stays in the log (EngineLoop logged the traceback), never in a response.
         self.deliveries.fail_all(ServiceError(grpc.StatusCode.INTERNAL,
                                               "prefill step failed (the prefill worker's log has the details)"))
+
+    def follow_transfer(self, request_id: str, handle, transport: str) -> None:
+        """Event loop: count a prompt's transfer (handed to the transport) once it ends, off the Prefill call that
+        already answered. A stop waits for the transfers in flight (`transfers_done`)."""
+        async def follow() -> None:
+            start = time.monotonic()
+            try:
+                stats = await asyncio.to_thread(handle.wait, self.config.transfer_timeout_s)
+            except KVTransferError as e:  # the decode worker's stream tells the router (it sees the same end)
+                log.warning("request %s: KV transfer failed after the first token: %s", request_id, e)
+                self.metrics.count(self.metrics.transfer_failures, kind=e.kind, transport=transport)
+                self.metrics.count(self.metrics.requests, outcome="failed")
+                return
+            self.metrics.count(self.metrics.transfer_bytes, stats.bytes_sent, transport=transport)
+            self.metrics.observe(self.metrics.transfer_seconds, time.monotonic() - start, transport=transport)
+            self.metrics.count(self.metrics.requests, outcome="finished")
+
+        task = asyncio.ensure_future(follow())
+        self.transfers.add(task)
+        task.add_done_callback(self.transfers.discard)
+
+    async def transfers_done(self, timeout_s: float) -> None:
+        """Waits (at most timeout_s) for the transfers still in flight, so that a stop does not cut them."""
+        if self.transfers:
+            await asyncio.wait(set(self.transfers), timeout=timeout_s)
 
     def drain_evicted(self) -> list[bytes]:
         out, self._evicted[:] = list(self._evicted), []
@@ -184,14 +210,11 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                 w.loop.submit(lambda: (w.engine.abort(rid), w._update_gauges()))  # idle: no step refreshes them
                 raise
             w.metrics.count(w.metrics.prefix_hit_tokens, result.cached_tokens)
-            start = time.monotonic()
-            stats = await asyncio.to_thread(result.handle.wait, w.config.transfer_timeout_s)
-            w.metrics.count(w.metrics.transfer_bytes, stats.bytes_sent, transport=transport)
-            w.metrics.observe(w.metrics.transfer_seconds, time.monotonic() - start, transport=transport)
-            w.metrics.count(w.metrics.requests, outcome="finished")
+            # The answer goes at once, with the KV still on its way: the router sends the first token to its client
+            # now rather than after the decode worker received it (its stream reports what becomes of the transfer).
+            w.follow_transfer(rid, result.handle, transport)
             resp = pb.PrefillResponse(first_token_id=result.first_token_id, cached_tokens=result.cached_tokens,
-                                      evicted_block_hashes=w.drain_evicted(), kv_bytes=stats.bytes_sent,
-                                      transfer_seconds=stats.seconds,
+                                      evicted_block_hashes=w.drain_evicted(),
                                       prompt_logprobs=logprobs_to_proto((result.prompt_logprobs or [None])[1:]))
             if result.first_token_logprob is not None:
                 resp.first_token_logprobs.CopyFrom(logprob_to_proto(result.first_token_logprob))
@@ -252,6 +275,7 @@ async def serve_prefill(worker: PrefillWorker, ready=None) -> None:
         ready(port)
 
     async def stop() -> None:
+        await worker.transfers_done(worker.config.drain_timeout_s)
         worker.loop.stop()
 
     await serve_until_signal(server, worker.config.drain_timeout_s, stop)

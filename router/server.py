@@ -29,6 +29,7 @@ from pdserve.v1 import worker_pb2 as pb
 
 from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
 from .decode_streams import DecodeFailed, DecodeStreams, failure_of
+from .first_token import EarlyFirstToken
 from .workers import Worker, WorkerDown, WorkerPool, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)
@@ -295,7 +296,8 @@ class Router:
         reservation then goes to the prefill worker in a Bind call), while this request's feed (see decode_streams)
         collects everything that can happen to it: the decode worker's updates, a prefill failure, a worker taken
         out of routing, the deadline. One wake-up per batch of updates; the tokens that queued meanwhile (a client
-        reading slower than the engine steps) go out in one chunk."""
+        reading slower than the engine steps) go out in one chunk. The first token goes out with the prefill
+        worker's answer, ahead of the decode worker's stream (see first_token.py)."""
         m = self.metrics
         sp = sampling_to_proto(params)
         md = self.pool.metadata
@@ -308,6 +310,8 @@ class Router:
         logprobs: list[gen_pb.TokenLogprobs] = []
         # The first token's logprob and the prompt's come from the prefill worker's answer.
         wants_prefill_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+        early = (EarlyFirstToken(params, ids, self.model_info().eos_token_ids, self.tokenizer)
+                 if EarlyFirstToken.applies(params) else None)
         prefill_resp: Optional[pb.PrefillResponse] = None
         last = None
         decoding = finished = ended = False
@@ -325,6 +329,8 @@ class Router:
                 feed.put_nowait(task.exception())  # decode would only notice at its KV timeout
             else:  # the prefill worker's part is done: only the decode worker can hold this request up now
                 watch_down(decode)
+                if early is not None:
+                    feed.put_nowait(task.result())  # its first token, for the client at once
 
         def bind_done(task: asyncio.Future) -> None:
             if not (task.cancelled() or ended) and task.exception() is not None:
@@ -369,8 +375,18 @@ class Router:
                 for update in updates:
                     if isinstance(update, BaseException):
                         raise update
-                    if update.HasField("failure"):
+                    if isinstance(update, pb.PrefillResponse):  # unless the decode worker's stream came first
+                        update = early.update_for(update.first_token_id) if not output_ids else None
+                        if update is None:
+                            continue
+                    elif update.HasField("failure"):
                         raise failure_of(update)
+                    else:
+                        if early is not None:
+                            early.strip(update)
+                        if not decoding:
+                            decoding = True
+                            decode.decoding += 1
                     if wants_prefill_logprobs and prefill_resp is None:
                         prefill_resp = await prefill_task  # done or about to be: the KV it sent has arrived
                         chunk.prompt_logprobs.extend(prefill_resp.prompt_logprobs)
@@ -386,9 +402,6 @@ class Router:
                     if update.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
                         done = update
                         break  # nothing comes after a request's last update
-                if not decoding:
-                    decoding = True
-                    decode.decoding += 1
                 if done is None and last is not None and len(chunk.token_ids) < interval:
                     continue  # --stream-interval: after the first token, hold them until enough have come
                 now = time.monotonic()

@@ -50,6 +50,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     # TEST HOOK (tests/test_ready.py): the engine's first forward sleeps S seconds, standing for a cold GPU's kernel
     # compiles. Hidden; PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD sets it in every worker `pdserve up` starts.
     g.add_argument("--test-hook-slow-first-forward", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
+    if role == "decode":  # TEST HOOK (tests/test_first_token.py): each prompt's received KV waits S seconds
+        g.add_argument("--test-hook-slow-kv-arrival", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     add_reliability_args(p, internal_server=True)
 
 
@@ -223,7 +225,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                 transfer_timeout_s=args.transfer_timeout,
                                 max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                 security=security_from_args(args), warmup=not args.skip_warmup,
-                                test_hook_slow_first_forward_s=args.test_hook_slow_first_forward)
+                                test_hook_slow_first_forward_s=args.test_hook_slow_first_forward,
+                                test_hook_slow_kv_arrival_s=args.test_hook_slow_kv_arrival)
     worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics)
     built = time.monotonic() - start
     worker.core.spec_observer = SpecMetrics(metrics)  # pdserve_spec_* histograms (recorded only when speculating)

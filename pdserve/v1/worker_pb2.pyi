@@ -97,22 +97,18 @@ class BindResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "cached_tokens", "evicted_block_hashes", "kv_bytes", "transfer_seconds", "first_token_logprobs", "prompt_logprobs")
+    __slots__ = ("first_token_id", "cached_tokens", "evicted_block_hashes", "first_token_logprobs", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     cached_tokens: int
     evicted_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    kv_bytes: int
-    transfer_seconds: float
     first_token_logprobs: _generate_pb2.TokenLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprobs]
-    def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., first_token_logprobs: _Optional[_Union[_generate_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., first_token_logprobs: _Optional[_Union[_generate_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeStreamRequest(_message.Message):
     __slots__ = ("attach", "cancel")

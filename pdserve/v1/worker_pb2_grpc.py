@@ -69,8 +69,10 @@ class PrefillWorkerServicer(object):
     def Prefill(self, request, context):
         """Computes the prompt (reusing its prefix cache), samples the first token, and sends the KV of every layer
         (the NextN layer included) plus the first token and last hidden state to the decode worker's KV endpoint,
-        into the pages that worker reserved. Returns once the transfer is done. FAILED_PRECONDITION when the decode
-        worker's KV layout is incompatible; UNAVAILABLE when it cannot be reached; DEADLINE_EXCEEDED on timeout.
+        into the pages that worker reserved. Answers as soon as the first token is sampled and the KV handed to the
+        transport, before the transfer ends (the router sends that token to its client at once; the decode worker's
+        stream reports what becomes of the transfer). FAILED_PRECONDITION when the decode worker's KV layout is
+        incompatible; UNAVAILABLE when it cannot be reached; DEADLINE_EXCEEDED on timeout.
         With destination_follows the compute starts at once and the KV waits for a Bind call with its destination: the
         router reserves on the decode worker while the prompt is computed, not before.
         """
@@ -80,8 +82,8 @@ class PrefillWorkerServicer(object):
 
     def Bind(self, request, context):
         """The destination of a Prefill sent with destination_follows (the decode worker's ReserveResponse). Answers at
-        once (before or after that Prefill arrives: they may overtake each other); the Prefill call reports what
-        becomes of the transfer. ALREADY_EXISTS for a second destination of one request.
+        once (before or after that Prefill arrives: they may overtake each other). ALREADY_EXISTS for a second
+        destination of one request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
