@@ -1,4 +1,4 @@
-"""Where the KV of a Prefill sent with `destination_follows` goes: the router reserves pages on the decode worker
+"""Where the KV of a Prefill sent without a destination goes: the router reserves pages on the decode worker
 while the prompt is computed, then sends the reservation in a Bind call. The two calls may overtake each other, so
 each request id has a mailbox that whichever comes first opens. Everything here runs on the event loop."""
 
@@ -24,7 +24,7 @@ class Destinations:
     def __len__(self) -> int:
         return len(self._boxes)
 
-    def put(self, request_id: str, destination: pb.BindRequest) -> None:
+    def put(self, request_id: str, destination: pb.ReserveResponse) -> None:
         """The Bind call's part; ALREADY_EXISTS for a second destination of one request."""
         box = self._boxes.get(request_id)
         if box is None:
@@ -36,7 +36,7 @@ class Destinations:
                                f"request_id {request_id!r} already has a KV destination")
         box.set_result(destination)
 
-    async def take(self, request_id: str, timeout_s: Optional[float]) -> pb.BindRequest:
+    async def take(self, request_id: str, timeout_s: Optional[float]) -> pb.ReserveResponse:
         """The Prefill call's part: waits for the destination (DEADLINE_EXCEEDED after timeout_s); the mailbox
         closes however the wait ends."""
         box = self._boxes.get(request_id) or self._open(request_id)

@@ -184,10 +184,10 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             params = sampling_from_proto(request.sampling_params)
             job = PrefillJob(rid, list(request.input_ids), params, [], ships_mtp=False)
             handle = None
-            if not request.destination_follows:
+            if request.HasField("destination"):
                 # Connecting (and the layout handshake, which picks the transport under auto) happens here, before
                 # any compute is spent.
-                handle = await self._open(job, request)
+                handle = await self._open(job, request.destination)
                 transport = handle.transport
             result_future = w.deliveries.expect(rid)
             try:
@@ -231,16 +231,18 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
         try:
             if not request.request_id:
                 raise invalid("request_id: empty")
-            self.w.destinations.put(request.request_id, request)
+            if not request.HasField("destination"):
+                raise invalid("destination: missing (the decode worker's ReserveResponse)")
+            self.w.destinations.put(request.request_id, request.destination)
         except ServiceError as e:
             await abort_with(context, e)
         return pb.BindResponse()
 
-    async def _open(self, job: PrefillJob, destination):
-        """The send handle to `destination` (a PrefillRequest or BindRequest: room, kv_endpoint, dst_pages,
-        dst_layout, skip_mtp_kv), after checking that it can take the job; sets the job's dst_pages and ships_mtp."""
+    async def _open(self, job: PrefillJob, destination: pb.ReserveResponse):
+        """The send handle to `destination` (the decode worker's ReserveResponse: room, kv_endpoint, dst_pages,
+        layout, skip_mtp_kv), after checking that it can take the job; sets the job's dst_pages and ships_mtp."""
         w = self.w
-        mismatch = w.layout.mismatch(layout_from_proto(destination.dst_layout))
+        mismatch = w.layout.mismatch(layout_from_proto(destination.layout))
         if mismatch:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"this prefill worker cannot send KV to that decode worker: {mismatch}")

@@ -338,7 +338,7 @@ class Router:
 
         try:
             prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
-                request_id=rid, input_ids=ids, sampling_params=sp, destination_follows=True),
+                request_id=rid, input_ids=ids, sampling_params=sp),  # its destination follows in a Bind call
                 timeout=_left(deadline), metadata=md))
             prefill_task.add_done_callback(prefill_done)
             reserve_call = asyncio.ensure_future(decode.stub.Reserve(
@@ -356,9 +356,8 @@ class Router:
                 raise ServiceError(grpc.StatusCode.INTERNAL, "the prefill worker answered before its KV destination")
             reserve: pb.ReserveResponse = reserve_call.result()  # (its failure ends the attempt, and the Prefill)
             call = self.decode_streams.attach(decode, rid, feed)
-            bind_task = asyncio.ensure_future(prefill.stub.Bind(pb.BindRequest(
-                request_id=rid, room=reserve.room, kv_endpoint=reserve.kv_endpoint, dst_pages=reserve.dst_pages,
-                dst_layout=reserve.layout, skip_mtp_kv=reserve.skip_mtp_kv), timeout=_left(deadline), metadata=md))
+            bind_task = asyncio.ensure_future(prefill.stub.Bind(pb.BindRequest(request_id=rid, destination=reserve),
+                                                                timeout=_left(deadline), metadata=md))
             bind_task.add_done_callback(bind_done)
             watch_down(prefill, decode)
             if deadline is not None:

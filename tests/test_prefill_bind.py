@@ -150,12 +150,11 @@ def _reserve(decode_stub, rid, prompt, max_new_tokens=4) -> pb.ReserveResponse:
 
 
 def _bind_request(rid, reserve: pb.ReserveResponse) -> pb.BindRequest:
-    return pb.BindRequest(request_id=rid, room=reserve.room, kv_endpoint=reserve.kv_endpoint,
-                          dst_pages=reserve.dst_pages, dst_layout=reserve.layout, skip_mtp_kv=reserve.skip_mtp_kv)
+    return pb.BindRequest(request_id=rid, destination=reserve)
 
 
 def _prefill_request(rid, prompt, max_new_tokens=4) -> pb.PrefillRequest:
-    return pb.PrefillRequest(request_id=rid, input_ids=prompt, destination_follows=True,
+    return pb.PrefillRequest(request_id=rid, input_ids=prompt,
                              sampling_params=gen_pb.SamplingParams(max_new_tokens=max_new_tokens))
 
 
@@ -187,6 +186,7 @@ def test_bind_before_or_after_prefill_gives_the_tokens_of_a_routed_request(stack
 
 @pytest.mark.slow
 def test_a_second_bind_is_already_exists_and_a_prefill_never_bound_ends_at_its_deadline_holding_nothing(stack):
+    """(and a Bind without its destination is INVALID_ARGUMENT)"""
     prompt = [21, 22, 23, 24, 25, 26]
     with grpc.insecure_channel(stack.decode[0].address) as dch, grpc.insecure_channel(stack.prefill[0].address) as pch:
         decode, prefill = pb_grpc.DecodeWorkerStub(dch), pb_grpc.PrefillWorkerStub(pch)
@@ -195,6 +195,9 @@ def test_a_second_bind_is_already_exists_and_a_prefill_never_bound_ends_at_its_d
         with pytest.raises(grpc.RpcError) as second:
             prefill.Bind(_bind_request("twice", reserve), timeout=10)
         assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS, second.value
+        with pytest.raises(grpc.RpcError) as empty:
+            prefill.Bind(pb.BindRequest(request_id="no-destination"), timeout=10)
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "destination" in empty.value.details()
         decode.Abort(pb.AbortRequest(request_id="twice"), timeout=10)
         with pytest.raises(grpc.RpcError) as unbound:
             prefill.Prefill(_prefill_request("never-bound", prompt), timeout=1.0)

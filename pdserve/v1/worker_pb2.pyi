@@ -55,42 +55,24 @@ class ReserveResponse(_message.Message):
     def __init__(self, room: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., skip_mtp_kv: bool = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "sampling_params", "room", "kv_endpoint", "dst_pages", "dst_layout", "skip_mtp_kv", "destination_follows")
+    __slots__ = ("request_id", "input_ids", "sampling_params", "destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
-    ROOM_FIELD_NUMBER: _ClassVar[int]
-    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    DST_PAGES_FIELD_NUMBER: _ClassVar[int]
-    DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    SKIP_MTP_KV_FIELD_NUMBER: _ClassVar[int]
-    DESTINATION_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generate_pb2.SamplingParams
-    room: int
-    kv_endpoint: str
-    dst_pages: _containers.RepeatedScalarFieldContainer[int]
-    dst_layout: KVLayout
-    skip_mtp_kv: bool
-    destination_follows: bool
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., dst_pages: _Optional[_Iterable[int]] = ..., dst_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., skip_mtp_kv: bool = ..., destination_follows: bool = ...) -> None: ...
+    destination: ReserveResponse
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
 
 class BindRequest(_message.Message):
-    __slots__ = ("request_id", "room", "kv_endpoint", "dst_pages", "dst_layout", "skip_mtp_kv")
+    __slots__ = ("request_id", "destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    ROOM_FIELD_NUMBER: _ClassVar[int]
-    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    DST_PAGES_FIELD_NUMBER: _ClassVar[int]
-    DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    SKIP_MTP_KV_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    room: int
-    kv_endpoint: str
-    dst_pages: _containers.RepeatedScalarFieldContainer[int]
-    dst_layout: KVLayout
-    skip_mtp_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., dst_pages: _Optional[_Iterable[int]] = ..., dst_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., skip_mtp_kv: bool = ...) -> None: ...
+    destination: ReserveResponse
+    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
 
 class BindResponse(_message.Message):
     __slots__ = ()

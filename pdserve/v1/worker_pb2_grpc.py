@@ -73,15 +73,15 @@ class PrefillWorkerServicer(object):
         transport, before the transfer ends (the router sends that token to its client at once; the decode worker's
         stream reports what becomes of the transfer). FAILED_PRECONDITION when the decode worker's KV layout is
         incompatible; UNAVAILABLE when it cannot be reached; DEADLINE_EXCEEDED on timeout.
-        With destination_follows the compute starts at once and the KV waits for a Bind call with its destination: the
-        router reserves on the decode worker while the prompt is computed, not before.
+        Without a destination the compute starts at once and the KV waits for a Bind call that brings it: the router
+        reserves on the decode worker while the prompt is computed, not before.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Bind(self, request, context):
-        """The destination of a Prefill sent with destination_follows (the decode worker's ReserveResponse). Answers at
+        """The destination of a Prefill sent without one (the decode worker's ReserveResponse). Answers at
         once (before or after that Prefill arrives: they may overtake each other). ALREADY_EXISTS for a second
         destination of one request.
         """
