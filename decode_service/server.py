@@ -11,6 +11,7 @@ from typing import Optional
 
 import grpc
 
+from pdserve.common.trace import mark
 from pdserve.serving.auth import SecurityConfig, internal_auth
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.serving.engine_loop import EngineLoop
@@ -96,6 +97,7 @@ class DecodeWorker:
 
     def _kv_arrived(self, request_id: str, aux: dict) -> None:
         """The receiver's thread: a prompt's KV and aux record are in; the engine thread admits the request."""
+        mark("decode.kv_arrived", request_id)
         def admit() -> None:
             self.loop.submit(lambda: self.engine.kv_done(request_id, aux))
 
@@ -127,6 +129,7 @@ class DecodeWorker:
         self.loop.submit(run)
 
     def _output(self, out: RequestOutput) -> None:
+        mark("decode.first_output", out.request_id)  # (only a request's first token comes this way)
         self.aio_loop.call_soon_threadsafe(self._deliver, out.request_id, out)
 
     def _failed(self, request_id: str, error: Exception) -> None:
@@ -183,6 +186,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             params = sampling_from_proto(request.sampling_params)
             ids = list(request.input_ids)
             rid = request.request_id
+            mark("decode.reserve", rid)
             try:
                 t = await asyncio.wrap_future(w.loop.submit(lambda: w.engine.reserve(rid, ids, params)))
             except asyncio.CancelledError:

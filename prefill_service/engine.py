@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.common.blocks import leading_block_hashes
+from pdserve.common.trace import mark
 from pdserve.common.values import TokenLogprob
 from pdserve.engine import LLMEngine, StepHooks
 from pdserve.kv_cache import token_slots
@@ -130,6 +131,7 @@ class PrefillEngine(StepHooks):
                                     prompt_logprobs=p.prompt_logprobs)
         self.core.add_request(job.prompt_ids, first_only, job.request_id, arrival_time=job.arrival_time,
                               detokenize=False)
+        mark("prefill.queued", job.request_id)
         self._jobs[job.request_id] = (job, handle)
 
     def bind(self, request_id: str, handle: SendHandle, dst_pages: list[int], ships_mtp: bool) -> None:
@@ -205,6 +207,9 @@ class PrefillEngine(StepHooks):
 
     # ---- StepHooks: called inside LLMEngine.step -------------------------------------------------------------------
     def on_layer_done(self, prompts: list[Request], layer: int) -> None:
+        if layer == 0:
+            for req in prompts:
+                mark("prefill.layer0_done", req.request_id)
         self._take_binds()  # a bind that came during this forward: its prompt streams from here on
         if not self.layerwise:
             return
@@ -218,6 +223,8 @@ class PrefillEngine(StepHooks):
                 self._streamed[req.request_id] = layer + 1
 
     def on_prefilled(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
+        for req in prompts:
+            mark("prefill.sampled", req.request_id)
         main = self.num_main_layers
         jobs = [self._jobs[req.request_id] for req in prompts]
         for req, (_, handle) in zip(prompts, jobs):  # every layer not streamed yet, at once

@@ -10,6 +10,7 @@ from typing import Optional
 
 import grpc
 
+from pdserve.common.trace import mark
 from pdserve.serving.auth import SecurityConfig, internal_auth
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.serving.engine_loop import EngineLoop
@@ -177,6 +178,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         w = self.w
         rid = request.request_id
+        mark("prefill.recv", rid)
         transport = w.config.kv_transport  # until the pairing says which (auto)
         try:
             if not request.input_ids:
@@ -218,6 +220,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                                       prompt_logprobs=logprobs_to_proto((result.prompt_logprobs or [None])[1:]))
             if result.first_token_logprob is not None:
                 resp.first_token_logprobs.CopyFrom(logprob_to_proto(result.first_token_logprob))
+            mark("prefill.answer", rid)
             return resp
         except KVTransferError as e:
             w.metrics.count(w.metrics.transfer_failures, kind=e.kind, transport=transport)
@@ -233,6 +236,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                 raise invalid("request_id: empty")
             if not request.HasField("destination"):
                 raise invalid("destination: missing (the decode worker's ReserveResponse)")
+            mark("prefill.bind", request.request_id)
             self.w.destinations.put(request.request_id, request.destination)
         except ServiceError as e:
             await abort_with(context, e)

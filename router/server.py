@@ -20,6 +20,7 @@ from pdserve.serving.grpc_shell import (
 )
 from pdserve.serving.metrics import Metrics
 from pdserve.common.blocks import block_hashes
+from pdserve.common.trace import mark
 from pdserve.serving.rpc_convert import DEFAULT_MAX_NEW_TOKENS, FINISH_FROM_PROTO, sampling_from_proto, sampling_to_proto
 from pdserve.common.values import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
@@ -243,6 +244,7 @@ class Router:
             m.count(m.requests, outcome="rejected")
             raise
         rid = request_id or uuid.uuid4().hex
+        mark("router.recv", rid)
         self.num_active += 1
         if request_id:
             self._in_flight_ids.add(request_id)
@@ -257,6 +259,7 @@ class Router:
                 try:
                     # Workers see one id per attempt, so a retry never collides with the first try's leftovers.
                     internal_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
+                    mark("router.routed", internal_id)
                     async for msg in self._relay(internal_id, prompt_ids, params, prefill, decode, hashes, arrival,
                                                  deadline):
                         streamed = True
@@ -328,6 +331,7 @@ class Router:
             if task.exception() is not None:
                 feed.put_nowait(task.exception())  # decode would only notice at its KV timeout
             else:  # the prefill worker's part is done: only the decode worker can hold this request up now
+                mark("router.prefill_answer", rid)
                 watch_down(decode)
                 if early is not None:
                     feed.put_nowait(task.result())  # its first token, for the client at once
@@ -355,6 +359,7 @@ class Router:
                 await prefill_task  # it waits for its Bind: done before the reservation means it failed
                 raise ServiceError(grpc.StatusCode.INTERNAL, "the prefill worker answered before its KV destination")
             reserve: pb.ReserveResponse = reserve_call.result()  # (its failure ends the attempt, and the Prefill)
+            mark("router.reserved", rid)
             call = self.decode_streams.attach(decode, rid, feed)
             bind_task = asyncio.ensure_future(prefill.stub.Bind(pb.BindRequest(request_id=rid, destination=reserve),
                                                                 timeout=_left(deadline), metadata=md))
@@ -384,6 +389,7 @@ class Router:
                         if early is not None:
                             early.strip(update)
                         if not decoding:
+                            mark("router.decode_first", rid)
                             decoding = True
                             decode.decoding += 1
                     if wants_prefill_logprobs and prefill_resp is None:
@@ -405,6 +411,7 @@ class Router:
                     continue  # --stream-interval: after the first token, hold them until enough have come
                 now = time.monotonic()
                 if last is None:
+                    mark("router.first_out", rid)
                     m.ttft.observe(now - arrival)
                 elif chunk.token_ids:  # tokens that arrived together share their gap
                     gap = (now - last) / len(chunk.token_ids)

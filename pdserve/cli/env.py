@@ -92,6 +92,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, command: str,
 # The PDSERVE_* names that are no flag's: diagnostic switches read where they act.
 DIAGNOSTIC_VARIABLES = {
     "PDSERVE_TORCH_NORM_ROPE": "1 keeps RMSNorm and RoPE on CUDA on the torch references (kernels/norm_rope.py)",
+    "PDSERVE_TRACE": "a folder: every process timestamps each request's points there (pdserve/common/trace.py)",
 }
 
 

@@ -1,0 +1,57 @@
+"""PDSERVE_TRACE: every process of a stack records when each request passes its points, and
+benchmarks/trace_report.py lines them up (pdserve/common/trace.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from golden import GREEDY, PROMPTS
+from pdserve.common import trace
+from stack import generate, start_stack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.trace_report import load, report  # noqa: E402
+
+# Where each request must pass, in this order (the Bind and the decode worker's Reserve run beside the prefill;
+# the prefill worker's answer and the decode worker's first token race to the router).
+IN_ORDER = ["router.recv", "router.routed", "prefill.recv", "prefill.queued", "prefill.layer0_done",
+            "prefill.sampled", "prefill.answer", "router.prefill_answer"]
+AFTER = {"decode.reserve": "router.routed", "router.reserved": "decode.reserve", "prefill.bind": "router.reserved",
+         "decode.kv_arrived": "prefill.sampled", "decode.first_output": "decode.kv_arrived",
+         "router.decode_first": "decode.first_output"}
+
+
+def test_off_it_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace, "FOLDER", None)
+    trace.mark("router.recv", "r1")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_traced_stack_records_every_point_of_every_request_in_order(tiny_v3_dir, tmp_path, monkeypatch):
+    folder = tmp_path / "trace"
+    monkeypatch.setenv("PDSERVE_TRACE", str(folder))
+    stack = start_stack(tiny_v3_dir, tmp_path)
+    try:
+        for prompt in PROMPTS[:3]:
+            generate(stack.router.address, prompt, GREEDY)
+    finally:
+        stack.stop()
+    assert len(list(folder.glob("*.trace"))) == 3  # router, prefill and decode processes
+    requests = {rid: ev for rid, ev in load(str(folder)).items() if "router.recv" in ev}
+    assert len(requests) == 3
+    for rid, events in requests.items():
+        assert set(IN_ORDER) | set(AFTER) | {"router.first_out"} <= set(events), (rid, sorted(events))
+        times = [events[e] for e in IN_ORDER]
+        assert times == sorted(times), (rid, sorted(events.items(), key=lambda kv: kv[1]))
+        for event, before in AFTER.items():
+            assert events[event] >= events[before], (rid, event, before)
+        # The first token goes out with whichever came first.
+        assert events["router.first_out"] >= min(events["router.prefill_answer"], events["router.decode_first"])
+    rows = report(requests)
+    assert rows[0]["event"] == "router.recv" and rows[0]["median_ms"] == 0
+    assert {r["event"] for r in rows} == set(IN_ORDER) | set(AFTER) | {"router.first_out"}
+    assert all(r["requests"] == 3 for r in rows)
