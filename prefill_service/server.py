@@ -85,7 +85,8 @@ class PrefillWorker:
         self.sender = sender_cls(self.layout, timeout_s=config.transfer_timeout_s,
                                  token=config.security.internal_token, device=self.core.pool.kv.device)
         self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held,
-                                    max_queued=config.max_queued_requests, layerwise=config.kv_layerwise)
+                                    max_queued=config.max_queued_requests, layerwise=config.kv_layerwise,
+                                    on_first_token=self._deliver_one)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
@@ -112,8 +113,11 @@ class PrefillWorker:
 
     def _deliver(self, results) -> None:
         for r in results:
-            self.metrics.ttft.observe(r.ttft_s)
-            self.deliveries.resolve(r.request_id, r)
+            self._deliver_one(r)
+
+    def _deliver_one(self, result) -> None:
+        self.metrics.ttft.observe(result.ttft_s)
+        self.deliveries.resolve(result.request_id, result)
 
     def _update_gauges(self) -> None:
         sched, alloc = self.core.scheduler, self.core.pool.allocator

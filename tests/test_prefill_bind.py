@@ -79,6 +79,36 @@ def test_a_prompt_computed_before_its_bind_is_parked_then_shipped_as_if_bound(ti
     assert engine.apply_binds() == []
 
 
+def test_a_bound_prompts_result_goes_to_on_first_token_before_its_kv_is_handed_over(tiny_v3_dir):
+    """The worker answers Prefill from on_first_token: told at the sampling, before the hand-off, and only for bound
+    prompts without logprobs; step() leaves those out and returns the others; the hand-off is what a job without
+    the callback gets."""
+    events, told = [], []
+    engine = engine_of(tiny_v3_dir, speculative=SpeculativeConfig())  # (logprobs: a worker that does not speculate)
+    engine.on_first_token = lambda result: (told.append(result), events.append(f"told {result.request_id}"))
+    prompt = engine.core.encode(PROMPT)
+    early = BulkRecordingHandle(events)
+    engine.add(PrefillJob("early", prompt, SamplingParams(), list(range(16)), ships_mtp=False), early)
+    with_logprobs = BulkRecordingHandle([])
+    engine.add(PrefillJob("logprobs", prompt, SamplingParams(logprobs=2), list(range(16, 32)),
+                          ships_mtp=False), with_logprobs)
+    engine.add(PrefillJob("parked", prompt, SamplingParams(), []), None)
+    results = []
+    while engine.has_work:
+        results += engine.step()
+    assert [r.request_id for r in told] == ["early"] and told[0].handle is early
+    assert events[0] == "told early" and events[-1] == "finish"  # told first, then its layers and aux went
+    assert [r.request_id for r in results] == ["logprobs"] and with_logprobs.aux is not None
+    reference = RecordingHandle([])
+    assert run_bound(tiny_v3_dir, reference, ships_mtp=False)[0].first_token_id == told[0].first_token_id == early.aux["first_token_id"]
+    assert sorted(early.layers) == sorted(reference.layers)  # (a batch of three: fp32 sums may differ in the last bit)
+    for layer in reference.layers:
+        torch.testing.assert_close(early.layers[layer], reference.layers[layer], rtol=0, atol=1e-5)
+    engine.bind("parked", BulkRecordingHandle([]), list(range(32, 48)), False)
+    assert [r.request_id for r in engine.apply_binds()] == ["parked"] and len(told) == 1  # parked: not told
+    assert engine.core.kv_pages_in_use_by_requests() == 0
+
+
 def test_a_bind_during_the_forward_streams_the_layers_computed_so_far_then_the_rest(tiny_v3_dir):
     engine = engine_of(tiny_v3_dir)
     events: list[str] = []
