@@ -98,6 +98,7 @@ class DecodeWorker:
     def _kv_arrived(self, request_id: str, aux: dict) -> None:
         """The receiver's thread: a prompt's KV and aux record are in; the engine thread admits the request."""
         mark("decode.kv_arrived", request_id)
+
         def admit() -> None:
             self.loop.submit(lambda: self.engine.kv_done(request_id, aux))
 

@@ -238,7 +238,7 @@ class PrefillEngine(StepHooks):
         jobs = [self._jobs[req.request_id] for req in prompts]
         if self.on_first_token is not None:
             for req, (job, handle), tok in zip(prompts, jobs, first_tokens):
-                if handle is not None and job.params.logprobs is None and job.params.prompt_logprobs is None:
+                if handle is not None and not job.params.wants_logprobs:
                     self._told.add(req.request_id)
                     self.on_first_token(PrefillResult(req.request_id, tok, req.num_cached_tokens, handle,
                                                       time.monotonic() - job.arrival_time))

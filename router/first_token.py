@@ -37,10 +37,6 @@ class EarlyFirstToken:
         self._eos = () if params.ignore_eos else eos_token_ids
         self._sent: Optional[tuple[int, str]] = None  # the token and text sent, until the decode worker's come
 
-    @staticmethod
-    def applies(params: SamplingParams) -> bool:
-        return params.logprobs is None and params.prompt_logprobs is None
-
     def update_for(self, first_token_id: int) -> Optional[pb.DecodeUpdate]:
         """The update the decode worker's stream will begin with, made now; None when the token ends the request."""
         detok = IncrementalDetokenizer(self._tokenizer, self._prompt_ids) if self._tokenizer else None

@@ -312,9 +312,9 @@ class Router:
         text: list[str] = []
         logprobs: list[gen_pb.TokenLogprobs] = []
         # The first token's logprob and the prompt's come from the prefill worker's answer.
-        wants_prefill_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
-        early = (EarlyFirstToken(params, ids, self.model_info().eos_token_ids, self.tokenizer)
-                 if EarlyFirstToken.applies(params) else None)
+        wants_prefill_logprobs = params.wants_logprobs
+        early = (None if params.wants_logprobs
+                 else EarlyFirstToken(params, ids, self.model_info().eos_token_ids, self.tokenizer))
         prefill_resp: Optional[pb.PrefillResponse] = None
         last = None
         decoding = finished = ended = False

@@ -68,6 +68,12 @@ class SamplingParams:
                                  f"got {value!r}")
 
     @property
+    def wants_logprobs(self) -> bool:
+        """Logprobs of the generated tokens or of the prompt: the first token's and the prompt's come from the
+        prefill worker's answer, so such a request's first token waits for the decode worker's stream."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
+
+    @property
     def is_greedy(self) -> bool:
         # As in vLLM: dividing by a temperature this small overflows float32 logits to inf (then NaN).
         return self.temperature < GREEDY_BELOW_TEMPERATURE
