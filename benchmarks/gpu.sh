@@ -30,8 +30,10 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   ttft       where a prompt's time goes: the prefill step in one process (engine, + hooks, the worker's own) with
              torch.profiler tables, then through `pdserve up` (demo model) at concurrency 1 and 32 with the stack's
              own stage metrics (router TTFT, prefill worker TTFT, KV transfer) (~2 min)
-  trace      where a request's time goes between the processes: bench_serving.py at concurrency 1 on each model with
-             PDSERVE_TRACE set, then benchmarks/trace_report.py (median ms from the router's receipt to each point) (~3 min)
+  trace      where a request's time goes between the processes: bench_serving.py at concurrency 1 on each model and at
+             32 on the V3 slice with PDSERVE_TRACE set, then benchmarks/trace_report.py (median ms from the router's
+             receipt to each point; at c=32 the prefill worker's time per step), and bench_prefill_stages.py on the
+             V3 slice's 2048-token prompt (the same step in one process) (~5 min)
   profile    py-spy on the decode worker and the router while pdserve bench drives pdserve up (demo model) at
              concurrency 32 and 1: where the stack's host time goes (~2 min; needs py-spy in .whl/)
   kv-ipc     one GPU: the cuda_ipc KV-transfer tests, bench_kv_transfer.py --backend cuda_ipc (V3-slice and 61-layer
@@ -169,17 +171,21 @@ suite_overlap() {  # shipped/ and in_order/: serving.json and serving.md of each
     --engine-arg=--disable-overlap-schedule "$@"
 }
 
-suite_trace() {  # trace_<model>.json (+ each run's serving.json): where a request's time goes between processes
-  # bench_serving.py at concurrency 1 with PDSERVE_TRACE set: every process of its `pdserve up` timestamps each
-  # request's points (pdserve/common/trace.py); benchmarks/trace_report.py lines them up.
-  local d=$1 model
+suite_trace() {  # trace_<model>_c<C>.json (+ each run's serving.json): where a request's time goes between processes
+  # bench_serving.py with PDSERVE_TRACE set: every process of its `pdserve up` timestamps each request's points
+  # (pdserve/common/trace.py); benchmarks/trace_report.py lines them up, and at c=32 times the prefill worker's steps
+  # (against the in-process step of the same prompt: bench_prefill_stages.py, engine and worker).
+  local d=$1 run model c
   shift
-  for model in demo v3; do
-    PDSERVE_TRACE="$d/trace_$model" step 280 python3 benchmarks/bench_serving.py --out "$d/$model" --models "$model" \
-      --concurrency 1 --num-prompts 32 --skip-engine --prompts-only-concurrency 0 --cuda-graph-max-bs 128 "$@"
-    echo "where a request's time goes, $model, concurrency 1:"
-    python3 benchmarks/trace_report.py "$d/trace_$model" --json "$d/trace_$model.json"
+  for run in demo:1 v3:1 v3:32; do
+    model=${run%:*} c=${run#*:}
+    PDSERVE_TRACE="$d/trace_${model}_c$c" step 280 python3 benchmarks/bench_serving.py --out "$d/${model}_c$c" \
+      --models "$model" --concurrency "$c" --num-prompts $((c > 1 ? 2 * c : 32)) --skip-engine \
+      --prompts-only-concurrency 0 --cuda-graph-max-bs 128 "$@"
+    echo "where a request's time goes, $model, concurrency $c:"
+    python3 benchmarks/trace_report.py "$d/trace_${model}_c$c" --json "$d/trace_${model}_c$c.json"
   done
+  step 200 python3 benchmarks/bench_prefill_stages.py --out "$d" --lengths 2048 --iters 15
 }
 
 suite_ttft() {  # prefill_stages.json, up.log, bench_c<C>.json, prefill_c<C>.raw; stage means and profiles in ttft.log

@@ -1,6 +1,8 @@
 """Where requests' time goes between the stack's processes, from the timestamps PDSERVE_TRACE collects
 (pdserve/common/trace.py): for every point a request passed, the median time since the router received it, and since
-the point before it.
+the point before it; and the prefill worker's cadence under load: the time from one step's sampling to the next's
+(its wall time per step, to hold against the engine's prefill of the same prompts) and from a step's sampling to the
+next step's first layer on the host (the host work between two steps' GPU work, plus the first layer's launch).
 
     PDSERVE_TRACE=/tmp/t pdserve up ...   # then drive it (pdserve bench), then stop it
     python benchmarks/trace_report.py /tmp/t [--json out.json]
@@ -17,6 +19,7 @@ import json
 import os
 import statistics
 from collections import defaultdict
+from typing import Optional
 
 
 def load(folder: str) -> dict[str, dict[str, int]]:
@@ -52,6 +55,42 @@ def report(requests: dict[str, dict[str, int]]) -> list[dict]:
     return rows
 
 
+STEP_GROUP_NS = 200_000  # the prompts of one step are marked microseconds apart; steps are milliseconds apart
+
+
+def cadence(requests: dict[str, dict[str, int]]) -> dict:
+    """The prefill worker's steps that completed prompts, from their `prefill.sampled` marks: how many, prompts per
+    step, and the median / p10 / p90 (ms) of the time from one such step's sampling to the next one's (`interval`)
+    and to the next one's first layer launched (`to_next_layer0`). Steps are told apart by time: marks closer than
+    STEP_GROUP_NS are one step. Empty when fewer than two steps were seen."""
+    marks = sorted((ev["prefill.sampled"], ev.get("prefill.layer0_done"))
+                   for ev in requests.values() if "prefill.sampled" in ev)
+    steps: list[list[tuple[int, Optional[int]]]] = []
+    for t, layer0 in marks:
+        if steps and t - steps[-1][-1][0] < STEP_GROUP_NS:
+            steps[-1].append((t, layer0))
+        else:
+            steps.append([(t, layer0)])
+    if len(steps) < 2:
+        return {}
+    intervals, to_layer0 = [], []
+    for before, step in zip(steps, steps[1:]):
+        intervals.append((step[0][0] - before[-1][0]) / 1e6)
+        launched = [layer0 for _, layer0 in step if layer0 is not None and layer0 > before[-1][0]]
+        if launched:
+            to_layer0.append((min(launched) - before[-1][0]) / 1e6)
+    return {"steps": len(steps), "prompts_per_step": len(marks) / len(steps),
+            "interval": _spread(intervals), "to_next_layer0": _spread(to_layer0)}
+
+
+def _spread(values: list[float]) -> Optional[dict]:
+    if not values:
+        return None
+    values = sorted(values)
+    at = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"median_ms": statistics.median(values), "p10_ms": at(0.1), "p90_ms": at(0.9), "n": len(values)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", help="the PDSERVE_TRACE folder")
@@ -64,9 +103,19 @@ def main() -> None:
     print(f"{'point':28s} {'requests':>8s} {'since router.recv':>18s} {'since the point before':>24s}")
     for r in rows:
         print(f"{r['event']:28s} {r['requests']:8d} {r['median_ms']:15.2f} ms {r['gap_ms']:21.2f} ms")
+    steps = cadence(requests)
+    if steps:
+        print(f"prefill steps that completed prompts: {steps['steps']} ({steps['prompts_per_step']:.2f} prompts each)")
+        for key, what in (("interval", "sampling -> next step's sampling"),
+                          ("to_next_layer0", "sampling -> next step's first layer launched")):
+            v = steps[key]
+            if v:
+                print(f"  {what:45s} median {v['median_ms']:8.2f} ms  p10 {v['p10_ms']:8.2f}  p90 {v['p90_ms']:8.2f}"
+                      f"  ({v['n']})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"folder": args.folder, "requests": timed, "rows": rows}, f, indent=2)
+            json.dump({"folder": args.folder, "requests": timed, "rows": rows, "prefill_cadence": steps}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":

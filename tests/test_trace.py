@@ -13,7 +13,7 @@ from pdserve.common import trace
 from stack import generate, start_stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.trace_report import load, report  # noqa: E402
+from benchmarks.trace_report import cadence, load, report  # noqa: E402
 
 # Where each request must pass, in this order (the Bind and the decode worker's Reserve run beside the prefill;
 # the prefill worker's answer and the decode worker's first token race to the router).
@@ -28,6 +28,23 @@ def test_off_it_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(trace, "FOLDER", None)
     trace.mark("router.recv", "r1")
     assert not list(tmp_path.iterdir())
+
+
+def test_cadence_groups_a_steps_prompts_and_times_the_steps_apart():
+    ms = 1_000_000
+    requests = {  # step 1: a and b (sampled 50 us apart); step 2: c; step 3: d, whose layer 0 came before step 2 ended
+        "a": {"prefill.layer0_done": 2 * ms, "prefill.sampled": 30 * ms},
+        "b": {"prefill.layer0_done": 2 * ms, "prefill.sampled": 30 * ms + 50_000},
+        "c": {"prefill.layer0_done": 33 * ms, "prefill.sampled": 60 * ms + 50_000},
+        "d": {"prefill.layer0_done": 59 * ms, "prefill.sampled": 90 * ms + 50_000},
+        "never sampled": {"prefill.queued": 1 * ms},
+    }
+    steps = cadence(requests)
+    assert steps["steps"] == 3 and steps["prompts_per_step"] == 4 / 3
+    assert steps["interval"]["n"] == 2 and steps["interval"]["median_ms"] == pytest.approx(30.0)
+    # c's first layer 2.95 ms after step 1's last sampling; d's was launched before step 2's ended: not counted.
+    assert steps["to_next_layer0"]["n"] == 1 and steps["to_next_layer0"]["median_ms"] == pytest.approx(2.95)
+    assert cadence({"a": requests["a"]}) == {}
 
 
 @pytest.mark.slow
