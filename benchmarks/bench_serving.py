@@ -127,7 +127,7 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> Non
     port = free_port()
     # gRPC only: the fixed default HTTP and metrics ports (8000, 9100+) could be taken on a shared machine
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--no-http", "--no-metrics",
-           *engine_flags(args, model)]
+           *engine_flags(args, model), *args.up_arg]
     log_path = os.path.join(args.out, f"{name}_up.log")
     log(f"{name}: starting the stack: {shlex.join(cmd[1:])}")
     t0 = time.monotonic()
@@ -465,6 +465,8 @@ def main() -> None:
     p.add_argument("--speculative-num-steps", type=int, default=0, help="NextN with k steps on both sides (0: off)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
                    help="one more engine flag for both sides, e.g. --engine-arg=--attention-backend=triton")
+    p.add_argument("--up-arg", action="append", default=[], metavar="FLAG",
+                   help="a flag for the stack only (`pdserve up`), e.g. --up-arg=--decode-min-step-interval-ms=15")
     p.add_argument("--work-dir", default=None, help="each run's files (default: a temporary folder)")
     p.add_argument("--cold", action="store_true", help="clear the Triton and FlashInfer caches first")
     p.add_argument("--skip-engine", action="store_true", help="the stack only")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,10 +50,16 @@ class DecodeWorkerConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     security: SecurityConfig = SecurityConfig()
     warmup: bool = True  # run the warm-up (pdserve/serving/warmup.py) before the port opens
+    # Pacing: while prompts bound here are still being prefilled, a step starts at most this often (0: at once).
+    # On a GPU shared with the prefill worker, fewer and fuller decode steps leave it more of the GPU (see
+    # DecodeWorker._hold).
+    min_step_interval_s: float = 0.0
     test_hook_slow_first_forward_s: float = 0.0  # TEST HOOK: the first forward sleeps this long (a cold compile)
     test_hook_slow_kv_arrival_s: float = 0.0  # TEST HOOK: each prompt's received KV waits this long (a slow transfer)
 
     def __post_init__(self) -> None:
+        if not self.min_step_interval_s >= 0:
+            raise ValueError(f"min_step_interval_s must be >= 0 (got {self.min_step_interval_s})")
         check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
 
 
@@ -87,8 +94,10 @@ class DecodeWorker:
                                    else self.layout.num_kv_layers,
                                    on_output=self._output, on_failed=self._failed,
                                    max_queued=config.max_queued_requests)
+        self._last_step_start = 0.0
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
-                               on_error=self._step_failed)
+                               on_error=self._step_failed,
+                               hold=self._hold if config.min_step_interval_s > 0 else None)
         self.last_load = self.load()  # read here, before the engine thread starts
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -109,7 +118,19 @@ class DecodeWorker:
             admit()
 
     # ---- engine thread ------------------------------------------------------------------------------------------
+    def _hold(self) -> float:
+        """Seconds the next step waits (pacing, min_step_interval_s). Only while requests reserved here still wait
+        for their KV, i.e. prompts are being prefilled for this worker: when the prefill worker shares the GPU,
+        decode steps every few ms take the GPU from those prompts while each reads (nearly) every expert's
+        weights for a dozen rows; spaced, each step carries more rows for about the same cost, and the prompts
+        get the GPU between them (inter-token latency for throughput). With no prompt on its way there is
+        nothing to make room for: the steps run back to back."""
+        if not self.engine.pending:
+            return 0.0
+        return self._last_step_start + self.config.min_step_interval_s - time.monotonic()
+
     def _step(self) -> None:
+        self._last_step_start = time.monotonic()
         outputs = self.engine.step()
         if outputs:  # one hand-off to the event loop per step, not one per request
             self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)

@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill workers send a prompt's KV after its whole forward instead of layer by layer (to "
                          "measure what layer-wise streaming saves in TTFT)")
     ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
+    serve.add_min_step_interval_arg(ug, "--decode-min-step-interval-ms")
     serve.add_stream_interval_arg(ug)
     serve.add_warmup_args(ug)
     up.set_defaults(func=up_command.cmd_up)

@@ -43,6 +43,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     if role == "decode":
         g.add_argument("--kv-host", default=None, help="KV receiver address (default: --host)")
         g.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = a free one)")
+        add_min_step_interval_arg(g, "--min-step-interval-ms")
     g.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
                    help="requests waiting here (prefill: for compute; decode: for their KV) before new ones get "
                         "RESOURCE_EXHAUSTED (default 256)")
@@ -53,6 +54,24 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     if role == "decode":  # TEST HOOK (tests/test_first_token.py): each prompt's received KV waits S seconds
         g.add_argument("--test-hook-slow-kv-arrival", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     add_reliability_args(p, internal_server=True)
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not ms >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {text})")
+    return ms
+
+
+def add_min_step_interval_arg(g, flag: str) -> None:
+    g.add_argument(flag, type=_milliseconds, default=0.0, metavar="MS", dest="min_step_interval_ms",
+                   help="pace the decode worker: while prompts bound for it are still being prefilled, start a decode "
+                        "step at most every MS milliseconds (default 0: back to back). On a GPU shared with the "
+                        "prefill worker this trades inter-token latency for throughput: fewer, fuller decode steps "
+                        "leave the prompts more of the GPU")
 
 
 def add_warmup_args(g) -> None:
@@ -225,6 +244,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                 transfer_timeout_s=args.transfer_timeout,
                                 max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                 security=security_from_args(args), warmup=not args.skip_warmup,
+                                min_step_interval_s=args.min_step_interval_ms / 1e3,
                                 test_hook_slow_first_forward_s=args.test_hook_slow_first_forward,
                                 test_hook_slow_kv_arrival_s=args.test_hook_slow_kv_arrival)
     worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics)

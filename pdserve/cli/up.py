@@ -226,6 +226,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        f"{role}-{i}", *common] + (["--device", gpus.pop(0)] if gpus else [])
                 if role == "prefill" and args.no_kv_layerwise:
                     cmd.append("--no-kv-layerwise")
+                if role == "decode" and args.min_step_interval_ms:
+                    cmd += ["--min-step-interval-ms", str(args.min_step_interval_ms)]
                 name = f"{role}:127.0.0.1:{port}"
                 if not args.no_metrics:
                     mport = args.metrics_port + 1 + k if args.metrics_port else 0

@@ -7,6 +7,9 @@ thread, so the scheduler, allocator and KV pool need no locks, and GPU work neve
         run queued commands          # admissions, aborts, received KV
         if work: outputs = step()    # schedule() -> execute() -> update()
         else:    sleep until a command arrives
+
+A worker may hold its next step back (`hold`: seconds until it may run, e.g. a decode worker pacing its steps);
+commands still run as they arrive meanwhile.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ log = logging.getLogger(__name__)
 
 class EngineLoop:
     def __init__(self, step: Callable[[], Any], has_work: Callable[[], bool], name: str = "engine-loop",
-                 on_error: Optional[Callable[[BaseException], None]] = None):
-        self._step, self._has_work, self._on_error = step, has_work, on_error
+                 on_error: Optional[Callable[[BaseException], None]] = None,
+                 hold: Optional[Callable[[], float]] = None):
+        """hold(): seconds the next step must still wait (<= 0: run it now); asked before every step."""
+        self._step, self._has_work, self._on_error, self._hold = step, has_work, on_error, hold
         self._inbox: queue.SimpleQueue[Optional[tuple[Callable[[], Any], Future]]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -46,9 +51,9 @@ class EngineLoop:
         self._inbox.put(None)
         self._thread.join(timeout)
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool, timeout_s: float = 0.05) -> None:
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while item is not None:
@@ -67,8 +72,13 @@ class EngineLoop:
         while not self._stopped.is_set():
             try:
                 self._run_commands(block=not self._has_work())
-                if self._has_work():
-                    self._step()
+                if not self._has_work():
+                    continue
+                wait = self._hold() if self._hold is not None else 0.0
+                if wait > 0:  # commands that come meanwhile run at once; then the hold is asked again
+                    self._run_commands(block=True, timeout_s=wait)
+                    continue
+                self._step()
             except BaseException as e:  # a bug in a step: report it, keep the worker alive for other requests
                 log.exception("engine step failed")
                 if self._on_error:

@@ -1,0 +1,76 @@
+"""Decode-step pacing (`pdserve decode --min-step-interval-ms`, DecodeWorker._hold): while prompts bound for a decode
+worker are still being prefilled, its steps start at most every interval; with none on their way they run back to
+back; commands (KV arriving, aborts) are never held; tokens stay the single-process engine's."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from golden import GREEDY, PROMPTS
+from pdserve.serving.engine_loop import EngineLoop
+from stack import start_stack
+from test_first_token import timed_chunks
+
+
+def test_a_held_engine_loop_spaces_its_steps_and_still_runs_commands_at_once():
+    steps: list[float] = []
+    holding = threading.Event()
+    holding.set()
+    interval = 0.08
+
+    def hold() -> float:
+        return steps[-1] + interval - time.monotonic() if steps and holding.is_set() else 0.0
+
+    loop = EngineLoop(lambda: steps.append(time.monotonic()), lambda: len(steps) < 6, hold=hold).start()
+    try:
+        sent = time.monotonic()
+        assert loop.submit(lambda: "ran").result(timeout=5) == "ran"
+        assert time.monotonic() - sent < interval / 2  # a command waits for no hold
+        deadline = time.monotonic() + 5
+        while len(steps) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        holding.clear()  # no more hold: the last steps come back to back
+        while len(steps) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    assert len(steps) == 6
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert min(gaps[:2]) >= interval * 0.95, gaps
+    assert gaps[-1] < interval / 2, gaps
+
+
+@pytest.mark.slow
+def test_a_paced_decode_worker_spaces_its_steps_only_while_a_prompt_is_on_its_way(tiny_v3_dir, tmp_path, reference):
+    """Request A decodes; request B is reserved on the same decode worker, its KV held back 2 s (the test hook for a
+    slow transfer). While B is on its way A's tokens come at most every INTERVAL; before and after, at once."""
+    interval_s, kv_delay_s = 0.3, 2.0
+    stack = start_stack(tiny_v3_dir, tmp_path, decode_args=["--min-step-interval-ms", str(interval_s * 1e3),
+                                                            "--test-hook-slow-kv-arrival", str(kv_delay_s)])
+    outputs, _ = reference
+    long = dataclasses.replace(GREEDY, max_new_tokens=300)  # still decoding when B's KV arrives
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a_sent = time.monotonic()
+            a = pool.submit(timed_chunks, stack.router.address, PROMPTS[0], long)
+            time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
+            b_sent = time.monotonic()
+            b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
+            a_chunks, a_ids = a.result(timeout=60)
+            b_chunks, b_ids = b.result(timeout=60)
+    finally:
+        stack.stop()
+    assert b_ids == outputs[2].output_ids
+    want_a = outputs[0].output_ids
+    assert a_ids[:len(want_a)] == want_a and len(a_ids) == 300
+    times = [a_sent + t for t, _, _ in a_chunks]  # (timed_chunks starts its clock just after a_sent)
+    b_first_kv = b_sent + kv_delay_s  # B's KV arrives no earlier
+    alone = [y - x for x, y in zip(times, times[1:]) if x > times[1] and y < b_sent]
+    held = [y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_first_kv - 0.1]
+    assert alone and max(alone) < interval_s / 2, alone
+    assert len(held) >= 2 and min(held) >= interval_s * 0.8, held
