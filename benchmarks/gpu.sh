@@ -24,6 +24,8 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   serving    the service vs the engine: `pdserve up` (prefill + decode on one GPU) driven by `pdserve bench` at
              concurrency 1 8 32 128, demo model and V3 slice, the engine alone on the same prompts; cold kernel
              caches first (~4 min on an H200; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
+  pacing     `serving` on the V3 slice with the decode worker's steps paced (--decode-min-step-interval-ms
+             PACE_MS, default 20) while prompts are on their way, the engine alone beside it (~2.5 min warm)
   kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
   overlap    overlap scheduling on and off through the product: bench_serving.py on the demo model at concurrency 1
              and 32, once as shipped and once with --disable-overlap-schedule on both sides (~3 min)
@@ -161,6 +163,15 @@ suite_serving() {  # serving.json, serving.md, and per model its up.log, bench_c
   local d=$1
   shift
   step 560 python3 benchmarks/bench_serving.py --out "$d" --cold "$@"
+}
+
+suite_pacing() {  # serving.json, serving.md: the V3 slice with the decode worker's steps paced (--decode-min-step-interval-ms)
+  # The stack and the engine alone as in `serving` (warm caches), the decode worker pacing its steps while prompts are
+  # on their way: on one GPU, fewer and fuller decode steps leave the prefill worker more of it. PACE_MS (default 20).
+  local d=$1
+  shift
+  step 330 python3 benchmarks/bench_serving.py --out "$d" --models v3 --prompts-only-concurrency 0 \
+    --up-arg=--decode-min-step-interval-ms="${PACE_MS:-20}" "$@"
 }
 
 suite_overlap() {  # shipped/ and in_order/: serving.json and serving.md of each
@@ -329,7 +340,7 @@ case "$suite" in
     need_gpus 2 kv
     setup_env
     run_suite kv "$@" ;;
-  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | overlap | ttft | trace | profile)
+  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | pacing | overlap | ttft | trace | profile)
     need_gpus 1 "$suite"
     setup_env
     run_suite "$suite" "$@" ;;
