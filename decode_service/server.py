@@ -95,6 +95,7 @@ class DecodeWorker:
                                    on_output=self._output, on_failed=self._failed,
                                    max_queued=config.max_queued_requests)
         self._last_step_start = 0.0
+        self._held_since: Optional[float] = None  # pacing: when the step to come was first held back
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
                                on_error=self._step_failed,
                                hold=self._hold if config.min_step_interval_s > 0 else None)
@@ -127,10 +128,17 @@ class DecodeWorker:
         nothing to make room for: the steps run back to back."""
         if not self.engine.pending:
             return 0.0
-        return self._last_step_start + self.config.min_step_interval_s - time.monotonic()
+        now = time.monotonic()
+        wait = self._last_step_start + self.config.min_step_interval_s - now
+        if wait > 0 and self._held_since is None:
+            self._held_since = now
+        return wait
 
     def _step(self) -> None:
         self._last_step_start = time.monotonic()
+        if self._held_since is not None:
+            self.metrics.count(self.metrics.step_hold_seconds, self._last_step_start - self._held_since)
+            self._held_since = None
         outputs = self.engine.step()
         if outputs:  # one hand-off to the event loop per step, not one per request
             self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)

@@ -14,6 +14,7 @@ import pytest
 from golden import GREEDY, PROMPTS
 from pdserve.serving.engine_loop import EngineLoop
 from stack import start_stack
+from test_first_contact import metric
 from test_first_token import timed_chunks
 
 
@@ -63,6 +64,7 @@ def test_a_paced_decode_worker_spaces_its_steps_only_while_a_prompt_is_on_its_wa
             b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
             a_chunks, a_ids = a.result(timeout=60)
             b_chunks, b_ids = b.result(timeout=60)
+        held_s = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
     finally:
         stack.stop()
     assert b_ids == outputs[2].output_ids
@@ -74,3 +76,5 @@ def test_a_paced_decode_worker_spaces_its_steps_only_while_a_prompt_is_on_its_wa
     held = [y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_first_kv - 0.1]
     assert alone and max(alone) < interval_s / 2, alone
     assert len(held) >= 2 and min(held) >= interval_s * 0.8, held
+    # Most of B's 2 s on its way went to holding A's steps back, and the decode worker's metrics say so.
+    assert kv_delay_s / 2 <= held_s <= kv_delay_s + 1.0, held_s

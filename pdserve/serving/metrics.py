@@ -41,6 +41,7 @@ class Metrics:
     spec_accept_length: Histogram  # speculative decoding: tokens emitted per verification row that drafted
     spec_draft_seconds: Histogram  # per round: the MTP draft chain and the draft extend
     spec_verify_seconds: Histogram  # per round: the target's verification forward and acceptance
+    step_hold_seconds: Counter  # decode: time its steps waited for pacing (--min-step-interval-ms)
 
     @classmethod
     def create(cls, role: str) -> "Metrics":
@@ -91,6 +92,9 @@ class Metrics:
             spec_verify_seconds=hist("pdserve_spec_verify_seconds",
                                      "Speculative decoding: target verification forward and acceptance per round",
                                      SPEC_TIME_BUCKETS),
+            step_hold_seconds=counter("pdserve_decode_step_hold_seconds",
+                                      "Decode worker: time its steps were held back by pacing while prompts bound "
+                                      "for it were prefilled (--min-step-interval-ms)"),
         )
         m._role = role  # type: ignore[attr-defined]
         return m
