@@ -216,8 +216,8 @@ def test_make_tiny_model_rejects_unknown_arch(tmp_path, capsys):
     (["generate", "--help"], ["--model", "--prompt", "--input-ids", "--max-new-tokens", "--temperature", "--json",
                               "--load-format", "dummy"]),
     (["prefill", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--no-kv-layerwise"]),
-    (["decode", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--kv-port"]),
-    (["up", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}"]),
+    (["decode", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--kv-port", "--min-step-interval-ms"]),
+    (["up", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--decode-min-step-interval-ms"]),
 ], ids=["pdserve", "generate", "prefill", "decode", "up"])
 def test_help(args, flags):
     proc = pdserve(*args)
@@ -232,6 +232,22 @@ def test_the_kv_transport_defaults_to_auto(command):
     from pdserve.cli import build_parser
 
     assert build_parser().parse_args([command]).kv_transport == "auto"
+
+
+@pytest.mark.parametrize("command, flag", [("decode", "--min-step-interval-ms"),
+                                           ("up", "--decode-min-step-interval-ms")])
+def test_decode_pacing_takes_finite_milliseconds_from_the_command_line_or_the_environment(command, flag):
+    from pdserve.cli import build_parser
+    from pdserve.cli.env import parse_args
+
+    parser = build_parser()
+    assert parser.parse_args([command]).min_step_interval_ms == 0  # off by default
+    assert parser.parse_args([command, flag, "20"]).min_step_interval_ms == 20.0
+    for bad in ("-1", "inf", "nan", "soon"):
+        proc = pdserve(command, flag, bad)
+        assert proc.returncode == 2 and flag in proc.stderr, proc.stderr
+    variable = "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+    assert parse_args(build_parser(), [command], {variable: "12.5"}).min_step_interval_ms == 12.5
 
 
 @pytest.mark.parametrize("servers_handler", [True, False])

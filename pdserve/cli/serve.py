@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -61,8 +62,8 @@ def _milliseconds(text: str) -> float:
         ms = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
-    if not ms >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {text})")
+    if not (ms >= 0 and math.isfinite(ms)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
     return ms
 
 
