@@ -49,7 +49,7 @@ def test_a_held_engine_loop_spaces_its_steps_and_still_runs_commands_at_once():
 @pytest.mark.slow
 def test_a_paced_decode_worker_spaces_its_steps_only_while_a_prompt_is_on_its_way(tiny_v3_dir, tmp_path, reference):
     """Request A decodes; request B is reserved on the same decode worker, its KV held back 2 s (the test hook for a
-    slow transfer). While B is on its way A's tokens come at most every INTERVAL; before and after, at once."""
+    slow transfer). While B is on its way A's tokens come at most every INTERVAL; before it, at once."""
     interval_s, kv_delay_s = 0.3, 2.0
     stack = start_stack(tiny_v3_dir, tmp_path, decode_args=["--min-step-interval-ms", str(interval_s * 1e3),
                                                             "--test-hook-slow-kv-arrival", str(kv_delay_s)])
@@ -63,7 +63,7 @@ def test_a_paced_decode_worker_spaces_its_steps_only_while_a_prompt_is_on_its_wa
             b_sent = time.monotonic()
             b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
             a_chunks, a_ids = a.result(timeout=60)
-            b_chunks, b_ids = b.result(timeout=60)
+            _, b_ids = b.result(timeout=60)
         held_s = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
     finally:
         stack.stop()
