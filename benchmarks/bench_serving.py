@@ -12,13 +12,19 @@ concurrency)) of random token ids, a new seed per concurrency (no prefix-cache h
 Then the engine alone, built from the same engine flags (prefix cache off: the prompts share nothing), warmed up
 (pdserve/serving/warmup.py), and per concurrency c: the first c prompts of that run admitted together and generated
 to the end (offline), each step timed (a step ends with the sampled tokens on the host), twice: the second pass is
-reported (the first one's time and longest step are kept beside it). It reports output tok/s
+reported (the first one's time and longest step are kept beside it). At c=1 instead every prompt of the stack's run,
+one at a time (NextN's time per token depends on the text, through the drafts it accepts). It reports output tok/s
 (output tokens / wall time, prefill included, as `pdserve bench` counts), the median decode step, TPOT (decode time /
-(output tokens - 1)), the prefill rate of the batch (prompt tokens / time of the steps that computed prompts), and
-the prefill time of one prompt alone (median of 3).
+(output tokens - 1)), the prefill rate of the batch (prompt tokens / time of the steps that computed prompts), the
+prefill time of one prompt alone (at c=1: the median over the run's prompts; otherwise of 3), and with NextN the
+tokens per verification round.
+
+The stack's workers serve /metrics on free ports; around each run their KV transfer time (the prefill worker's, from
+its answer to the decode worker's confirmation) and NextN tokens per round are read (benchmarks/stage_times.py).
 
 Ratios (stack / engine): output tok/s at c vs batch c; TPOT and ITL (means) vs the engine's decode step at batch c;
-TTFT (median) vs the prefill time of one prompt; input tok/s at c vs the engine's prefill rate at batch c. That last
+TTFT (median) vs the prefill time of one prompt, and at c=1 the issue's allowance: (TTFT - KV transfer) / prefill
+<= 1.10; input tok/s at c vs the engine's prefill rate at batch c. That last
 one is diluted by decoding (the stack's wall time holds the generated tokens, the engine's prefill rate does not), so
 a prompts-only run measures prefill through the stack: --prompts-only-concurrency c (default 32) prompts of the same
 length with 1 new token each, the stack's input tok/s against the engine's prefill rate on c such prompts at once.
@@ -125,8 +131,9 @@ def stop(up: subprocess.Popen) -> None:
 def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> None:
     """Fills `result` as it goes (save() after each measurement); each run's files go to `out`."""
     port = free_port()
-    # gRPC only: the fixed default HTTP and metrics ports (8000, 9100+) could be taken on a shared machine
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--no-http", "--no-metrics",
+    # No HTTP front, and metrics on free ports (--metrics-port 0): the fixed defaults (8000, 9100+) could be taken
+    # on a shared machine. The workers' metrics give each run's KV transfer time and NextN acceptance.
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--no-http", "--metrics-port", "0",
            *engine_flags(args, model), *args.up_arg]
     log_path = os.path.join(args.out, f"{name}_up.log")
     log(f"{name}: starting the stack: {shlex.join(cmd[1:])}")
@@ -144,13 +151,15 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> Non
                      "--input-len", str(model["input_len"]), "--output-len", str(model["output_len"]),
                      "--max-concurrency", str(c), "--seed", str(i), "--json", path, "--no-progress"]
             t = time.monotonic()
+            before = worker_stats(log_path)
             proc = subprocess.run(bench, cwd=ROOT, capture_output=True, text=True, timeout=args.bench_timeout)
             if proc.returncode != 0 or not os.path.isfile(path):
                 raise RuntimeError(f"pdserve bench failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                                    f"{proc.stderr[-3000:]}")
             with open(path) as f:
                 r = json.load(f)
-            r.update(concurrency=c, seed=i, command=shlex.join(["pdserve", *bench[3:]]))
+            r.update(concurrency=c, seed=i, command=shlex.join(["pdserve", *bench[3:]]),
+                     **stats_since(before, worker_stats(log_path)))
             result["runs"].append(r)
             save()
             log(f"{name}: c={c}: {r['completed']}/{n} ok, {r['failed']} failed {r['errors_by_status'] or ''}, "
@@ -176,6 +185,38 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> Non
     finally:
         stop(up)
         result["stack_s"] = time.monotonic() - t0
+
+
+# The workers' histograms read around each run (benchmarks/stage_times.py): the KV transfer time per request (the
+# prefill worker's: from its answer to the decode worker's confirmation) and NextN's tokens per verification row.
+WORKER_SERIES = ("pdserve_kv_transfer_seconds", "pdserve_spec_accept_length")
+
+
+def worker_stats(up_log: str) -> Optional[dict]:
+    """A snapshot of WORKER_SERIES from every worker `up` started (None where the metrics could not be read)."""
+    from benchmarks.stage_times import snapshot
+
+    try:
+        return snapshot(up_log, WORKER_SERIES)
+    except OSError as e:  # (URLError is one) the run goes on without them; its row says "-"
+        log(f"could not read the workers' metrics: {e}")
+        return None
+
+
+def stats_since(before: Optional[dict], after: Optional[dict]) -> dict:
+    """{"transfer_ms": mean KV transfer time, "accept_length": NextN tokens per verification row} over a run
+    (None where not measured)."""
+    from benchmarks.stage_times import interval_means
+
+    means = interval_means(before, after) if before is not None and after is not None else {}
+
+    def mean_of(metric: str) -> Optional[float]:  # over every label set of the metric (one transport per run)
+        rows = [(m, n) for key, (m, n) in means.items() if key.split("{")[0] == metric]
+        return sum(m * n for m, n in rows) / sum(n for _, n in rows) if rows else None
+
+    transfer = mean_of("pdserve_kv_transfer_seconds")
+    return {"transfer_ms": None if transfer is None else 1e3 * transfer,
+            "accept_length": mean_of("pdserve_spec_accept_length")}
 
 
 PROMPTS_ONLY_SEED = 100  # the prompts-only run's prompts, the same on both sides (none shared with the other runs)
@@ -267,9 +308,41 @@ def engine_only(args) -> None:
                 "output_tok_s": len(prompts) * new_tokens / total,
                 "prefill_tok_s": sum(map(len, prompts)) / prefill_s if prefill_s else None}
 
+    def one_at_a_time(prompts: list[list[int]]) -> dict:
+        """Each of the stack's concurrency-1 prompts alone, as `pdserve bench` sent them (with NextN the time per
+        token depends on the text, through the drafts it accepts), twice: the second pass is reported."""
+        first = [timed_generate([p], args.output_len) for p in prompts]
+        spec = engine.speculator
+        rows0, emitted0 = (spec.num_rows, spec.num_emitted) if spec is not None else (0, 0)
+        runs = [timed_generate([p], args.output_len) for p in prompts]
+        decode = [x["decode_step_ms"] for x in runs if x["decode_step_ms"] is not None]
+        tpots = [x["tpot_ms"] for x in runs if x["tpot_ms"] is not None]
+        total = sum(x["seconds"] for x in runs)
+        return {"seconds": total, "steps": sum(x["steps"] for x in runs), "prompts": len(prompts),
+                "max_step_ms": max(x["max_step_ms"] for x in runs),
+                "decode_step_ms": statistics.median(decode) if decode else None,
+                "tpot_ms": statistics.mean(tpots) if tpots else None,  # as pdserve bench's TPOT: a mean of requests
+                "output_tok_s": len(prompts) * args.output_len / total,
+                "prefill_tok_s": sum(map(len, prompts)) / sum(x["prefill_s"] for x in runs),
+                "prefill_one_ms": 1e3 * statistics.median(x["prefill_s"] for x in runs),  # as TTFT's p50
+                "accept_length": ((spec.num_emitted - emitted0) / (spec.num_rows - rows0)
+                                  if spec is not None and spec.num_rows > rows0 else None),
+                "first_pass": {"seconds": sum(x["seconds"] for x in first),
+                               "max_step_ms": max(x["max_step_ms"] for x in first),
+                               "output_tok_s": len(prompts) * args.output_len / sum(x["seconds"] for x in first)}}
+
     result = {"gpu": gpu, "engine_flags": args.engine_flags, "built_s": built, "warmup_s": report.seconds,
               "batches": []}
     for i, c in enumerate(args.concurrency):
+        if c == 1:  # the rows of the TPOT and TTFT targets: the very prompts the stack ran
+            r = one_at_a_time(prompts_of(i, num_prompts(args, 1)))
+            r.update(batch=1, seed=i)
+            result["batches"].append(r)
+            log(f"engine: {r['prompts']} prompts one at a time: {r['output_tok_s']:.0f} out tok/s, decode step "
+                f"{_ms(r['decode_step_ms'])}, TPOT {_ms(r['tpot_ms'])}, prefill of one prompt (median) "
+                f"{r['prefill_one_ms']:.2f} ms" + (f", {r['accept_length']:.2f} tokens per NextN round"
+                                                   if r["accept_length"] else ""))
+            continue
         prompts = prompts_of(i, max(c, 3))
         singles = [timed_generate([prompts[j]], 1)["seconds"] for j in range(3)]
         # Twice, the second one reported: whatever the warm-up missed (a kernel for a shape it did not run) is
@@ -319,6 +392,13 @@ def rows_of(name: str, stack: dict, engine: dict) -> list[dict]:
             "tpot_ratio": ratio(r["tpot"]["mean_ms"], per_token), "itl_ratio": ratio(r["itl"]["mean_ms"], per_token),
             "stack_ttft_p50_ms": r["ttft"]["median_ms"], "engine_prefill_one_ms": e["prefill_one_ms"],
             "ttft_ratio": ratio(r["ttft"]["median_ms"], e["prefill_one_ms"]),
+            # The issue's TTFT target allows the KV transfer on top of 1.10x the prefill: TTFT <= 1.10 x prefill +
+            # transfer, i.e. (TTFT - transfer) / prefill <= 1.10, the transfer measured in the same run. (The stack
+            # sends the first token before the transfer ends, so its TTFT does not wait for it.)
+            "transfer_ms": r.get("transfer_ms"),
+            "ttft_less_transfer_ratio": (ratio(r["ttft"]["median_ms"] - r["transfer_ms"], e["prefill_one_ms"])
+                                         if r.get("transfer_ms") is not None else None),
+            "stack_accept_length": r.get("accept_length"), "engine_accept_length": e.get("accept_length"),
             "stack_in_tok_s": r["input_token_throughput"], "engine_prefill_tok_s": e["prefill_tok_s"],
             "in_tok_s_ratio": ratio(r["input_token_throughput"], e["prefill_tok_s"])})
     return rows
@@ -343,6 +423,21 @@ def table(rows: list[dict]) -> str:
             f"{_f(r['stack_itl_ms'])} | {_f(r['engine_per_token_ms'])} | **{_f(r['tpot_ratio'])}** | {_f(r['itl_ratio'])} | "
             f"{_f(r['stack_ttft_p50_ms'])} | {_f(r['engine_prefill_one_ms'])} | **{_f(r['ttft_ratio'])}** | "
             f"{_f(r['stack_in_tok_s'])} / {_f(r['engine_prefill_tok_s'])} | **{_f(r['in_tok_s_ratio'])}** |")
+    return "\n".join(lines)
+
+
+def concurrency_one_table(rows: list[dict]) -> str:
+    """The c=1 rows' TTFT against the issue's allowance, and NextN's accepted tokens on both sides."""
+    lines = ["| model | TTFT p50 ms | engine prefill ms (median, same prompts) | KV transfer ms (mean) | TTFT / prefill "
+             "| (TTFT - transfer) / prefill | NextN tokens per round stack / engine |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["concurrency"] != 1:
+            continue
+        accept = (f"{_f(r['stack_accept_length'])} / {_f(r['engine_accept_length'])}"
+                  if r.get("speculating") else "-")
+        lines.append(f"| {r['model']} | {_f(r['stack_ttft_p50_ms'])} | {_f(r['engine_prefill_one_ms'])} | "
+                     f"{_f(r.get('transfer_ms'))} | {_f(r['ttft_ratio'])} | **{_f(r.get('ttft_less_transfer_ratio'))}** "
+                     f"| {accept} |")
     return "\n".join(lines)
 
 
@@ -387,8 +482,13 @@ def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
         one = at.get(1)
         check("TPOT at c=1 / engine TPOT (NextN)" if one and one.get("speculating") else
               "TPOT at c=1 / engine decode step", one, "tpot_ratio", TARGETS["tpot_c1"], False)
-        check("TTFT p50 at c=1 / engine prefill of the prompt (transfer time not added)", at.get(1), "ttft_ratio",
-              TARGETS["ttft_c1"], False)
+        if one is not None and one.get("ttft_less_transfer_ratio") is not None:
+            check(f"(TTFT p50 at c=1 - KV transfer {one['transfer_ms']:.2f} ms) / engine prefill of the same prompts "
+                  f"(TTFT / prefill alone: {one['ttft_ratio']:.2f})", one, "ttft_less_transfer_ratio",
+                  TARGETS["ttft_c1"], False)
+        else:
+            check("TTFT p50 at c=1 / engine prefill of the prompt (transfer time not measured, not added)", one,
+                  "ttft_ratio", TARGETS["ttft_c1"], False)
         if model == "v3":
             only = next((r for r in prompts_only if r["model"] == model and r["concurrency"] == 32), None)
             if only is not None:
@@ -550,6 +650,10 @@ def write_results(result: dict, args, command: str, t0: float) -> str:
                   + (f"; **error**: {entry['error'][:300]}" if "error" in entry else ""))
     if rows:
         md += ["", table(rows)]
+        if any(r["concurrency"] == 1 for r in rows):
+            md += ["", "Concurrency 1: the engine ran the stack's prompts one at a time (its prefill: the median, as "
+                   "TTFT's p50); the KV transfer is the prefill worker's mean over the same run (from its answer to the "
+                   "decode worker's confirmation):", "", concurrency_one_table(rows)]
         if only:
             md += ["", f"Prompts only ({args.prompts_only_concurrency} at a time, 1 new token each; the engine: as "
                    "many prompts at once), where the input tok/s above is diluted by decoding:", "",

@@ -26,26 +26,27 @@ def metrics_ports(up_log: str) -> list[int]:
     return sorted({int(p) for p in ports})
 
 
-def scrape(port: int) -> dict[str, float]:
-    """{'<metric>_<sum|count>{labels}': value} for SERIES."""
+def scrape(port: int, series: tuple[str, ...] = SERIES) -> dict[str, float]:
+    """{'<metric>_<sum|count>{labels}': value} for the histograms in `series`."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
     for line in body.splitlines():
         m = re.match(r"^(\w+)_(sum|count)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m and m.group(1) in SERIES:
+        if m and m.group(1) in series:
             out[f"{m.group(1)}_{m.group(2)}{m.group(3) or ''}"] = float(m.group(4))
     return out
 
 
-def snapshot(up_log: str) -> dict[str, float]:
+def snapshot(up_log: str, series: tuple[str, ...] = SERIES) -> dict[str, float]:
     snap = {}
     for port in metrics_ports(up_log):
-        snap.update(scrape(port))
+        snap.update(scrape(port, series))
     return snap
 
 
 def interval_means(before: dict[str, float], after: dict[str, float]) -> dict[str, tuple[float, int]]:
-    """{'<metric>{labels}': (mean seconds, count)} over the interval, for series that moved."""
+    """{'<metric>{labels}': (mean, count)} over the interval, for series that moved (means in the histogram's unit:
+    seconds for the SERIES)."""
     means = {}
     for key, total in after.items():
         if "_sum" not in key:
