@@ -31,6 +31,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
 from .decode_streams import DecodeFailed, DecodeStreams, failure_of
 from .first_token import EarlyFirstToken
+from .warm_pairs import cold_pairs, keep_pairs_warm, warm_pairs
 from .workers import Worker, WorkerDown, WorkerPool, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class RouterConfig:
     # message may carry fewer): fewer, larger messages for the router and its clients at high concurrency, like
     # SGLang's --stream-interval. 1: each batch of tokens as it arrives (several when the router runs behind).
     stream_interval: int = 1
+    # Send one request of the router's own through each prefill/decode pair before serving, and through each new pair
+    # as it appears (router/warm_pairs.py): no client request pays for a pair's KV connection.
+    warm_pairs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens_limit is not None and self.max_new_tokens_limit < 1:
@@ -89,6 +93,8 @@ class Router:
         self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="router-tokenize")
         self._tokenize_slots = asyncio.Semaphore(config.tokenize_threads)
         self.decode_streams = DecodeStreams(pool.metadata, pool.seen)  # one DecodeStream call per decode worker
+        self._uncounted = Metrics.create("router")  # never exported: the router's own requests (relay_uncounted)
+        self.warm_task: Optional[asyncio.Task] = None  # keep_pairs_warm, from start_router
 
     # ---- choosing workers --------------------------------------------------------------------------------------
     async def choose(self, prompt_ids: list[int], avoid: frozenset[str] = frozenset(),
@@ -294,14 +300,16 @@ class Router:
             self._in_flight_ids.discard(request_id)
             m.count(m.requests, outcome=outcome)
 
-    async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival, deadline):
+    async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival, deadline,
+                     metrics: Optional[Metrics] = None):
         """Prefill and Reserve on the decode worker at once (the prompt is computed while pages are reserved; the
         reservation then goes to the prefill worker in a Bind call), while this request's feed (see decode_streams)
         collects everything that can happen to it: the decode worker's updates, a prefill failure, a worker taken
         out of routing, the deadline. One wake-up per batch of updates; the tokens that queued meanwhile (a client
         reading slower than the engine steps) go out in one chunk. The first token goes out with the prefill
-        worker's answer, ahead of the decode worker's stream (see first_token.py)."""
-        m = self.metrics
+        worker's answer, ahead of the decode worker's stream (see first_token.py). `metrics`: where its latencies and
+        token counts go (default the router's own)."""
+        m = metrics or self.metrics
         sp = sampling_to_proto(params)
         md = self.pool.metadata
         feed: asyncio.Queue = asyncio.Queue()
@@ -449,6 +457,11 @@ class Router:
             if decoding:
                 decode.decoding -= 1
 
+    def relay_uncounted(self, rid: str, ids: list[int], params: SamplingParams, prefill: Worker, decode: Worker,
+                        deadline: float) -> AsyncIterator[gen_pb.GenerateResponse]:
+        """A request of the router's own (warm_pairs.py) through a given pair, kept out of the exported metrics."""
+        return self._relay(rid, ids, params, prefill, decode, [], time.monotonic(), deadline, metrics=self._uncounted)
+
     def _learn_ownership(self, prefill: Worker, hashes: list[bytes], resp: pb.PrefillResponse) -> None:
         if not self.config.records_ownership or prefill.info is None:
             return
@@ -500,6 +513,11 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
         interceptors=auth, drain=Drain(tracked={"Generate"}, refused={"Generate"}),
         credentials=security.server_credentials())
     await router.pool.start()
+    if router.config.warm_pairs:
+        if cold_pairs(router.pool):  # before it serves: no client request pays for a pair's KV connection
+            await warm_pairs(router.pool, router.relay_uncounted, router.model_info().vocab_size)
+        router.warm_task = asyncio.create_task(
+            keep_pairs_warm(router.pool, router.relay_uncounted, lambda: router.model_info().vocab_size))
     await start_serving(server)
     return server, port
 

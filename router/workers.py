@@ -79,6 +79,7 @@ class Worker:
     last_message: float = field(default_factory=time.monotonic)  # anything streamed to one of our requests
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of routing after being in it
     polling: bool = False
+    warmed_with: set[str] = field(default_factory=set)  # partners whose KV path a warm-up went through (warm_pairs)
 
     @property
     def layout(self) -> Optional[KVLayout]:
@@ -145,6 +146,7 @@ class WorkerPool:
                 self._on_down(w, kind)
         w.healthy = False
         w.info = None  # it may come back as a different process
+        w.warmed_with.clear()  # (that process's pairs are cold)
 
     def check_progress(self, now: Optional[float] = None) -> None:
         """A decode worker whose decoding requests (ours) have received nothing for progress_s is stalled."""

@@ -145,7 +145,9 @@ def _timed(call) -> float:
 def test_health_and_load_are_answered_while_the_engine_is_busy(tiny_v3_dir, tmp_path):
     """The prefill worker's engine thread spends 4 s in its first forward; meanwhile its health checks and GetLoad
     (the router's heartbeat) answer in milliseconds."""
-    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--skip-warmup", "--test-hook-slow-first-forward", "4"])
+    # (The router skips its warm-up too: its request through the pair would take the slow first forward.)
+    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--skip-warmup", "--test-hook-slow-first-forward", "4"],
+                        router_args=["--skip-warmup"])
     try:
         done = threading.Event()
         result = {}

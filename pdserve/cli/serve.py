@@ -278,6 +278,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--balance-threshold", type=int, default=4,
                    help="extra requests tolerated on the prefix owner before load decides (default 4)")
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    g.add_argument("--skip-warmup", action="store_true",
+                   help="serve without first sending one short request of the router's own through each "
+                        "prefill/decode pair (each pair's first request then pays for its KV connection)")
     g.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) on this port, same host and process (0 = a free one; default: off)")
@@ -373,7 +376,8 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
                           max_concurrent_requests=getattr(args, "max_concurrent_requests", 1024),
                           max_request_bytes=getattr(args, "max_request_bytes", 16 << 20),
                           tokenize_threads=getattr(args, "tokenize_threads", 2),
-                          stream_interval=getattr(args, "stream_interval", 1))
+                          stream_interval=getattr(args, "stream_interval", 1),
+                          warm_pairs=not getattr(args, "skip_warmup", False))
     router = Router(config, pool, ownership, metrics, tokenizer)
     mport = _serve_metrics(metrics, args.metrics_port, args.host)
     server, port = await start_router(router)
@@ -396,6 +400,8 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
         on_ready({"grpc": port, "http": http_port if http else None, "metrics": mport})
 
     async def stop_fronts() -> None:
+        if router.warm_task is not None:
+            router.warm_task.cancel()
         if http is not None:
             await http.cleanup()
         router.decode_streams.close()
