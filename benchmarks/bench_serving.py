@@ -473,6 +473,20 @@ def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
         out.append(f"- {what} ({row['model']}): {v:.2f} {'>=' if at_least else '<='} {limit} target: "
                    f"**{'met' if met else 'missed'}**")
 
+    def ttft_target(row: dict) -> None:
+        """Met by the plain ratio, or by the issue's allowance of the transfer time when the transfer is shorter than
+        the TTFT (the stack's first token does not wait for it: a longer one, KV that arrives long after the first
+        token, says nothing about TTFT and allows nothing)."""
+        limit, plain, less, transfer = TARGETS["ttft_c1"], row["ttft_ratio"], row["ttft_less_transfer_ratio"], \
+            row["transfer_ms"]
+        usable = 0 < transfer < row["stack_ttft_p50_ms"]
+        met = plain <= limit or (usable and less <= limit)
+        how = ("" if plain <= limit or not met else ", met with the allowance") + (
+            "" if usable else f"; the transfer ({transfer:.2f} ms) outlasts the TTFT: no allowance")
+        out.append(f"- TTFT p50 at c=1 / engine prefill of the same prompts ({row['model']}): {plain:.2f}; less the KV "
+                   f"transfer ({transfer:.2f} ms, the issue's allowance): {less:.2f}; <= {limit} target{how}: "
+                   f"**{'met' if met else 'missed'}**")
+
     for model in dict.fromkeys(r["model"] for r in rows):
         at = {r["concurrency"]: r for r in rows if r["model"] == model}
         check("output tok/s at c=32 / engine at batch 32", at.get(32), "out_tok_s_ratio", TARGETS["out_tok_s_c32"],
@@ -483,9 +497,7 @@ def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
         check("TPOT at c=1 / engine TPOT (NextN)" if one and one.get("speculating") else
               "TPOT at c=1 / engine decode step", one, "tpot_ratio", TARGETS["tpot_c1"], False)
         if one is not None and one.get("ttft_less_transfer_ratio") is not None:
-            check(f"(TTFT p50 at c=1 - KV transfer {one['transfer_ms']:.2f} ms) / engine prefill of the same prompts "
-                  f"(TTFT / prefill alone: {one['ttft_ratio']:.2f})", one, "ttft_less_transfer_ratio",
-                  TARGETS["ttft_c1"], False)
+            ttft_target(one)
         else:
             check("TTFT p50 at c=1 / engine prefill of the prompt (transfer time not measured, not added)", one,
                   "ttft_ratio", TARGETS["ttft_c1"], False)
