@@ -58,7 +58,7 @@ def test_with_nextn_the_stacks_tpot_is_held_against_the_engines_tpot():
     """A NextN step yields several tokens: the stack's time per token is compared with the engine's time per token,
     not with its step; in plain decoding with the step (one token each)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_serving import rows_of, targets
+    from serving_report import rows_of, targets
 
     stack = {"runs": [{"concurrency": 1, "num_prompts": 8, "failed": 0, "output_token_throughput": 900.0,
                        "tpot": {"mean_ms": 0.6}, "itl": {"mean_ms": 1.2}, "ttft": {"median_ms": 30.0},
@@ -76,7 +76,8 @@ def test_the_ttft_target_allows_the_kv_transfer_measured_in_the_same_run():
     """The issue: TTFT at c=1 within 1.10x the engine's prefill plus the measured transfer time, i.e.
     (TTFT - transfer) / prefill <= 1.10; without a measured transfer the plain ratio is held to 1.10."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_serving import rows_of, stats_since, targets
+    from bench_serving import stats_since
+    from serving_report import rows_of, targets
 
     before = {'pdserve_kv_transfer_seconds_sum{role="prefill",transport="cuda_ipc"}': 1.0,
               'pdserve_kv_transfer_seconds_count{role="prefill",transport="cuda_ipc"}': 10.0,

@@ -1,0 +1,156 @@
+"""The serving benchmark's table (benchmarks/bench_serving.py): stack / engine ratios per model and concurrency, the
+concurrency-1 and prompts-only tables, and each of issue 17's targets met or missed."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# The issue's targets (issue 17): ratio at least (throughput) or at most (latency).
+TARGETS = {"out_tok_s_c32": 0.90, "out_tok_s_c128": 0.85, "tpot_c1": 1.10, "in_tok_s_c32": 0.80, "ttft_c1": 1.10}
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def rows_of(name: str, stack: dict, engine: dict) -> list[dict]:
+    rows = []
+    by_batch = {b["batch"]: b for b in engine["batches"]}
+    for r in stack["runs"]:
+        e = by_batch.get(r["concurrency"])
+        if e is None:
+            continue
+        # A NextN step yields several tokens: there the stack's time per token is held against the engine's
+        # (TPOT), in plain decoding against the engine's step (one token each).
+        speculating = "--speculative-algorithm" in engine.get("engine_flags", [])
+        step = e["decode_step_ms"]
+        per_token = e["tpot_ms"] if speculating else step
+        rows.append({
+            "model": name, "concurrency": r["concurrency"], "prompts": r["num_prompts"], "failed": r["failed"],
+            "stack_out_tok_s": r["output_token_throughput"], "engine_out_tok_s": e["output_tok_s"],
+            "out_tok_s_ratio": ratio(r["output_token_throughput"], e["output_tok_s"]),
+            "stack_tpot_ms": r["tpot"]["mean_ms"], "stack_itl_ms": r["itl"]["mean_ms"], "engine_step_ms": step,
+            "engine_tpot_ms": e["tpot_ms"], "speculating": speculating, "engine_per_token_ms": per_token,
+            "tpot_ratio": ratio(r["tpot"]["mean_ms"], per_token), "itl_ratio": ratio(r["itl"]["mean_ms"], per_token),
+            "stack_ttft_p50_ms": r["ttft"]["median_ms"], "engine_prefill_one_ms": e["prefill_one_ms"],
+            "ttft_ratio": ratio(r["ttft"]["median_ms"], e["prefill_one_ms"]),
+            # The issue's TTFT target allows the KV transfer on top of 1.10x the prefill: TTFT <= 1.10 x prefill +
+            # transfer, i.e. (TTFT - transfer) / prefill <= 1.10, the transfer measured in the same run. (The stack
+            # sends the first token before the transfer ends, so its TTFT does not wait for it.)
+            "transfer_ms": r.get("transfer_ms"),
+            "ttft_less_transfer_ratio": (ratio(r["ttft"]["median_ms"] - r["transfer_ms"], e["prefill_one_ms"])
+                                         if r.get("transfer_ms") is not None else None),
+            "stack_accept_length": r.get("accept_length"), "engine_accept_length": e.get("accept_length"),
+            "stack_in_tok_s": r["input_token_throughput"], "engine_prefill_tok_s": e["prefill_tok_s"],
+            "in_tok_s_ratio": ratio(r["input_token_throughput"], e["prefill_tok_s"])})
+    return rows
+
+
+def _f(v, digits=2, suffix="") -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}{suffix}" if abs(v) >= 100 else f"{v:.{digits}f}{suffix}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | c | failed | out tok/s stack / engine | ratio | TPOT / ITL stack ms | engine step ms (NextN: "
+            "TPOT) | TPOT / "
+            "step | ITL / step | TTFT p50 ms | engine prefill of 1 prompt ms | TTFT / prefill | in tok/s stack / "
+            "engine prefill | ratio |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['concurrency']} | {r['failed']}/{r['prompts']} | {_f(r['stack_out_tok_s'])} / "
+            f"{_f(r['engine_out_tok_s'])} | **{_f(r['out_tok_s_ratio'])}** | {_f(r['stack_tpot_ms'])} / "
+            f"{_f(r['stack_itl_ms'])} | {_f(r['engine_per_token_ms'])} | **{_f(r['tpot_ratio'])}** | {_f(r['itl_ratio'])} | "
+            f"{_f(r['stack_ttft_p50_ms'])} | {_f(r['engine_prefill_one_ms'])} | **{_f(r['ttft_ratio'])}** | "
+            f"{_f(r['stack_in_tok_s'])} / {_f(r['engine_prefill_tok_s'])} | **{_f(r['in_tok_s_ratio'])}** |")
+    return "\n".join(lines)
+
+
+def concurrency_one_table(rows: list[dict]) -> str:
+    """The c=1 rows' TTFT against the issue's allowance, and NextN's accepted tokens on both sides."""
+    lines = ["| model | TTFT p50 ms | engine prefill ms (median, same prompts) | KV transfer ms (mean) | TTFT / prefill "
+             "| (TTFT - transfer) / prefill | NextN tokens per round stack / engine |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["concurrency"] != 1:
+            continue
+        accept = (f"{_f(r['stack_accept_length'])} / {_f(r['engine_accept_length'])}"
+                  if r.get("speculating") else "-")
+        lines.append(f"| {r['model']} | {_f(r['stack_ttft_p50_ms'])} | {_f(r['engine_prefill_one_ms'])} | "
+                     f"{_f(r.get('transfer_ms'))} | {_f(r['ttft_ratio'])} | **{_f(r.get('ttft_less_transfer_ratio'))}** "
+                     f"| {accept} |")
+    return "\n".join(lines)
+
+
+def prompts_only_rows(name: str, stack: dict, engine: dict) -> list[dict]:
+    s, e = stack.get("prompts_only"), engine.get("prompts_only")
+    if not s or not e:
+        return []
+    return [{"model": name, "concurrency": s["concurrency"], "prompts": s["num_prompts"], "failed": s["failed"],
+             "stack_in_tok_s": s["input_token_throughput"], "engine_prefill_tok_s": e["prefill_tok_s"],
+             "ratio": ratio(s["input_token_throughput"], e["prefill_tok_s"]),
+             "stack_ttft_p50_ms": s["ttft"]["median_ms"]}]
+
+
+def prompts_only_table(rows: list[dict]) -> str:
+    lines = ["| model | c | failed | in tok/s stack / engine prefill rate | ratio | TTFT p50 ms |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['concurrency']} | {r['failed']}/{r['prompts']} | "
+                     f"{_f(r['stack_in_tok_s'])} / {_f(r['engine_prefill_tok_s'])} | **{_f(r['ratio'])}** | "
+                     f"{_f(r['stack_ttft_p50_ms'])} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
+    """Each of the issue's targets that this run measured, met or missed."""
+    out = []
+
+    def check(what: str, row: Optional[dict], key: str, limit: float, at_least: bool) -> None:
+        if row is None or row.get(key) is None:
+            return
+        v = row[key]
+        met = v >= limit if at_least else v <= limit
+        out.append(f"- {what} ({row['model']}): {v:.2f} {'>=' if at_least else '<='} {limit} target: "
+                   f"**{'met' if met else 'missed'}**")
+
+    def ttft_target(row: dict) -> None:
+        """Met by the plain ratio, or by the issue's allowance of the transfer time when the transfer is shorter than
+        the TTFT (the stack's first token does not wait for it: a longer one, KV that arrives long after the first
+        token, says nothing about TTFT and allows nothing)."""
+        limit, plain, less, transfer = TARGETS["ttft_c1"], row["ttft_ratio"], row["ttft_less_transfer_ratio"], \
+            row["transfer_ms"]
+        usable = 0 < transfer < row["stack_ttft_p50_ms"]
+        met = plain <= limit or (usable and less <= limit)
+        how = ("" if plain <= limit or not met else ", met with the allowance") + (
+            "" if usable else f"; the transfer ({transfer:.2f} ms) outlasts the TTFT: no allowance")
+        out.append(f"- TTFT p50 at c=1 / engine prefill of the same prompts ({row['model']}): {plain:.2f}; less the KV "
+                   f"transfer ({transfer:.2f} ms, the issue's allowance): {less:.2f}; <= {limit} target{how}: "
+                   f"**{'met' if met else 'missed'}**")
+
+    for model in dict.fromkeys(r["model"] for r in rows):
+        at = {r["concurrency"]: r for r in rows if r["model"] == model}
+        check("output tok/s at c=32 / engine at batch 32", at.get(32), "out_tok_s_ratio", TARGETS["out_tok_s_c32"],
+              True)
+        check("output tok/s at c=128 / engine at batch 128", at.get(128), "out_tok_s_ratio", TARGETS["out_tok_s_c128"],
+              True)
+        one = at.get(1)
+        check("TPOT at c=1 / engine TPOT (NextN)" if one and one.get("speculating") else
+              "TPOT at c=1 / engine decode step", one, "tpot_ratio", TARGETS["tpot_c1"], False)
+        if one is not None and one.get("ttft_less_transfer_ratio") is not None:
+            ttft_target(one)
+        else:
+            check("TTFT p50 at c=1 / engine prefill of the prompt (transfer time not measured, not added)", one,
+                  "ttft_ratio", TARGETS["ttft_c1"], False)
+        if model == "v3":
+            only = next((r for r in prompts_only if r["model"] == model and r["concurrency"] == 32), None)
+            if only is not None:
+                check("input tok/s at c=32, prompts only / engine prefill rate", only, "ratio",
+                      TARGETS["in_tok_s_c32"], True)
+            else:
+                check("input tok/s at c=32 / engine prefill rate (decoding included)", at.get(32), "in_tok_s_ratio",
+                      TARGETS["in_tok_s_c32"], True)
+    failed = sum(r["failed"] for r in rows) + sum(r["failed"] for r in prompts_only)
+    out.append(f"- zero failed requests: {failed} failed: **{'met' if failed == 0 else 'missed'}**")
+    return out
