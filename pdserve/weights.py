@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -22,6 +21,7 @@ from safetensors import safe_open
 
 from pdserve.config import ModelConfig
 from pdserve.kernels import KernelBackends
+from pdserve.common.progress import say
 from pdserve.kernels.gemm import FP8_DTYPE, block_quant
 from pdserve.model import DeepseekV3, Gate, Linear, MoE, RotaryEmbedding
 
@@ -189,7 +189,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, d
 def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends,
                load_format: str = "auto", device: str = "cpu", prefix_chunk_tokens: int = 4096,
                progress: Optional[Callable[[str], None]] = None, seed: int = 0) -> DeepseekV3:
-    progress = progress or (lambda msg: print(f"[pdserve] {msg}", file=sys.stderr, flush=True))
+    progress = progress or say
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":

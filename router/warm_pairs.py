@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 import uuid
 from typing import AsyncIterator, Callable
 
+from pdserve.common.progress import say as _say
 from pdserve.common.values import SamplingParams
 
 from .workers import Worker, WorkerPool
@@ -75,6 +75,3 @@ async def keep_pairs_warm(pool: WorkerPool, relay: Relay, vocab_size: Callable[[
         except Exception:  # never let it end the loop (a worker with no info yet, a race with its going down)
             log.exception("warming new prefill/decode pairs failed")
 
-
-def _say(msg: str) -> None:  # progress on stderr, as the workers' warm-up reports its own
-    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)

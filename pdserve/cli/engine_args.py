@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from pdserve.cli.choices import LazyChoices
 
@@ -168,7 +167,6 @@ def sampling_params_from_args(args: argparse.Namespace):
                           logprobs=args.logprobs)
 
 
-def _progress(msg: str) -> None:
-    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
 
 

@@ -7,7 +7,8 @@ import argparse
 import json
 import time
 
-from pdserve.cli.engine_args import UsageError, _progress, engine_config_from_args, sampling_params_from_args
+from pdserve.cli.engine_args import UsageError, engine_config_from_args, sampling_params_from_args
+from pdserve.common.progress import say as _progress
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

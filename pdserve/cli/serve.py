@@ -16,12 +16,12 @@ import time
 from typing import Optional
 
 from pdserve.cli.choices import LazyChoices
+from pdserve.common.progress import say as _say
 
 log = logging.getLogger("pdserve")
 
 
-def _say(msg: str) -> None:
-    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:

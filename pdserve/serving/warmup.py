@@ -15,11 +15,11 @@ dropped again).
 from __future__ import annotations
 
 import random
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pdserve.common.progress import say as _say
 from pdserve.engine import LLMEngine
 from pdserve.sampling import SamplingParams
 
@@ -227,5 +227,4 @@ def warm_up_worker(engine: LLMEngine, role: str, say: Optional[Callable[[str], N
     return report
 
 
-def _say(msg: str) -> None:
-    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
