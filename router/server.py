@@ -31,7 +31,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
 from .decode_streams import DecodeFailed, DecodeStreams, failure_of
 from .first_token import EarlyFirstToken
-from .warm_pairs import cold_pairs, keep_pairs_warm, warm_pairs
+from .warm_pairs import keep_pairs_warm, warm_pairs
 from .workers import Worker, WorkerDown, WorkerPool, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)
@@ -513,11 +513,10 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
         interceptors=auth, drain=Drain(tracked={"Generate"}, refused={"Generate"}),
         credentials=security.server_credentials())
     await router.pool.start()
-    if router.config.warm_pairs:
-        if cold_pairs(router.pool):  # before it serves: no client request pays for a pair's KV connection
-            await warm_pairs(router.pool, router.relay_uncounted, router.model_info().vocab_size)
-        router.warm_task = asyncio.create_task(
-            keep_pairs_warm(router.pool, router.relay_uncounted, lambda: router.model_info().vocab_size))
+    if router.config.warm_pairs:  # before it serves: no client request pays for a pair's KV connection
+        vocab_size = lambda: router.model_info().vocab_size  # noqa: E731
+        await warm_pairs(router.pool, router.relay_uncounted, vocab_size)
+        router.warm_task = asyncio.create_task(keep_pairs_warm(router.pool, router.relay_uncounted, vocab_size))
     await start_serving(server)
     return server, port
 

@@ -38,8 +38,10 @@ def cold_pairs(pool: WorkerPool) -> list[tuple[Worker, Worker]]:
             and not (d.address in p.warmed_with and p.address in d.warmed_with)]
 
 
-async def warm_pairs(pool: WorkerPool, relay: Relay, vocab_size: int, timeout_s: float = WARM_TIMEOUT_S) -> int:
-    """One request through every cold pair at once; returns how many went through."""
+async def warm_pairs(pool: WorkerPool, relay: Relay, vocab_size: Callable[[], int],
+                     timeout_s: float = WARM_TIMEOUT_S) -> int:
+    """One request through every cold pair at once; returns how many went through. vocab_size() is asked only when
+    there is a pair (it needs a worker's info)."""
     pairs = cold_pairs(pool)
     if not pairs:
         return 0
@@ -47,7 +49,7 @@ async def warm_pairs(pool: WorkerPool, relay: Relay, vocab_size: int, timeout_s:
         p.warmed_with.add(d.address)
         d.warmed_with.add(p.address)
     start = time.monotonic()
-    prompt = [min(10, vocab_size - 1)] * 2
+    prompt = [min(10, vocab_size() - 1)] * 2
 
     async def one(p: Worker, d: Worker) -> bool:
         try:
@@ -70,8 +72,7 @@ async def keep_pairs_warm(pool: WorkerPool, relay: Relay, vocab_size: Callable[[
     while True:
         await asyncio.sleep(pool.refresh_s)
         try:
-            if cold_pairs(pool):
-                await warm_pairs(pool, relay, vocab_size())
+            await warm_pairs(pool, relay, vocab_size)
         except Exception:  # never let it end the loop (a worker with no info yet, a race with its going down)
             log.exception("warming new prefill/decode pairs failed")
 

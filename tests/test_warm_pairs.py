@@ -62,9 +62,9 @@ def test_a_pair_is_cold_until_warmed_and_again_once_a_worker_went_down():
         sent.append((prefill.address, decode.address, list(ids), params.max_new_tokens))
         yield "a chunk"
 
-    assert asyncio.run(warm_pairs(pool, relay, vocab_size=100)) == 1
+    assert asyncio.run(warm_pairs(pool, relay, vocab_size=lambda: 100)) == 1
     assert sent == [("p:1", "d:1", [10, 10], 2)] and cold_pairs(pool) == []
-    assert asyncio.run(warm_pairs(pool, relay, vocab_size=100)) == 0  # nothing cold: nothing sent
+    assert asyncio.run(warm_pairs(pool, relay, vocab_size=lambda: 100)) == 0  # nothing cold: nothing sent
     pool.mark_down(d1, "refused", "restarted")
     d1.healthy, d1.info = True, pb.WorkerInfo(address="d:1", layout=layout_to_proto(layout))  # back, a new process
     assert [(a.address, b.address) for a, b in cold_pairs(pool)] == [("p:1", "d:1")]
@@ -73,5 +73,5 @@ def test_a_pair_is_cold_until_warmed_and_again_once_a_worker_went_down():
         raise RuntimeError("decode worker refused")
         yield
 
-    assert asyncio.run(warm_pairs(pool, failing, vocab_size=100)) == 0  # logged; the stack serves anyway
+    assert asyncio.run(warm_pairs(pool, failing, vocab_size=lambda: 100)) == 0  # logged; the stack serves anyway
     assert cold_pairs(pool) == []  # attempted: not retried at every refresh
