@@ -198,9 +198,14 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             result_future = w.deliveries.expect(rid)
             try:
                 await asyncio.wrap_future(w.loop.submit(lambda: w.engine.add(job, handle)))
-            except BaseException:
+            except BaseException as e:
                 w.deliveries.discard(rid)
-                if handle is not None:
+                if isinstance(e, asyncio.CancelledError):
+                    # The router went away (its deadline) while the engine thread admitted the prompt: the add may
+                    # have run all the same. The engine thread runs its commands in order, so this finds the job if
+                    # it was added (a prompt nobody binds would otherwise stay parked, its pages held for good).
+                    w.loop.submit(lambda: self._give_up(rid, handle))
+                elif handle is not None:
                     handle.abort()
                 raise
             w.metrics.count(w.metrics.prompt_tokens, len(job.prompt_ids))
@@ -233,6 +238,12 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)
+
+    def _give_up(self, rid: str, handle) -> None:
+        """Engine thread: the job of a Prefill call cancelled while it was being added, whether or not it was."""
+        if not self.w.engine.abort(rid) and handle is not None:  # (abort aborts the handle of a job it finds)
+            handle.abort()
+        self.w._update_gauges()  # an idle engine runs no step that would refresh them
 
     async def Bind(self, request: pb.BindRequest, context: grpc.aio.ServicerContext) -> pb.BindResponse:
         try:
