@@ -274,8 +274,18 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, MTP_KV_NOT_COMPUTED) from None
             raise
         job.dst_pages, job.ships_mtp = dst_pages, ships_mtp
-        return await asyncio.to_thread(w.sender.begin, destination.kv_endpoint, destination.room,
-                                       w.engine.num_layers_for(job), dst_pages)
+        opening = asyncio.ensure_future(asyncio.to_thread(w.sender.begin, destination.kv_endpoint, destination.room,
+                                                          w.engine.num_layers_for(job), dst_pages))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the call ended while connecting: the handle it opens is nobody's
+            opening.add_done_callback(_abort_opened)
+            raise
+
+
+def _abort_opened(opening: asyncio.Future) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().abort()
 
 
 async def serve_prefill(worker: PrefillWorker, ready=None) -> None:
