@@ -68,6 +68,13 @@ class StepHooks:
         """`prompts` got their first tokens; hidden `(len(prompts), hidden_size)`: the last prompt position's
         hidden state before the final norm (what NextN drafts from)."""
 
+    def compute_only(self) -> "StepHooks":
+        """Hooks that compute what these compute for a prompt and ship nothing (the warm-up runs its prompts
+        through them: the first real request then finds every kernel the tier launches compiled)."""
+        hooks = StepHooks()
+        hooks.computes_mtp_kv = self.computes_mtp_kv
+        return hooks
+
 
 @dataclass
 class RequestOutput:

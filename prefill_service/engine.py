@@ -262,8 +262,7 @@ class PrefillEngine(StepHooks):
         rows = [i for i, (job, handle) in enumerate(jobs)
                 if (job.ships_mtp if handle is not None else self.computes_mtp_kv)]
         if rows:  # (add() admitted a bound job that ships it only where this worker computes the MTP layer)
-            computing = [prompts[i] for i in rows]
-            self.core.runner.mtp_decode(computing, [first_tokens[i] for i in rows], hidden[rows])
+            self._mtp_kv_at_last_position([prompts[i] for i in rows], [first_tokens[i] for i in rows], hidden[rows])
             for i in rows:
                 if jobs[i][1] is not None:
                     jobs[i][1].send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
@@ -283,6 +282,13 @@ class PrefillEngine(StepHooks):
                 self.on_blocks(leading_block_hashes(req.prompt_ids, ps, req.num_prompt_tokens // ps, req.block_keys))
         self._slots.clear()
 
+    def _mtp_kv_at_last_position(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
+        """The MTP layer's KV at each prompt's last position (its input there is the first token)."""
+        self.core.runner.mtp_decode(prompts, first_tokens, hidden)
+
+    def compute_only(self) -> StepHooks:
+        return _ComputeOnly(self) if self.computes_mtp_kv else super().compute_only()
+
     def _slots_of(self, req: Request) -> torch.Tensor:
         """The prompt's slots `(prompt tokens,)` on the pool's device, made once per step (uploaded without
         waiting for the GPU)."""
@@ -291,6 +297,18 @@ class PrefillEngine(StepHooks):
             slots = self._slots[req.request_id] = self.core.runner.staging.upload(
                 token_slots(req.pages, req.num_prompt_tokens, self.pool.page_size))
         return slots
+
+
+class _ComputeOnly(StepHooks):
+    """The hand-over's compute without the hand-over: the MTP layer's KV at the last position of every prompt (a
+    one-token MTP forward whose attention reads the whole prompt: shapes the warm-up's decode batches never run)."""
+    computes_mtp_kv = True
+
+    def __init__(self, engine: PrefillEngine):
+        self.engine = engine
+
+    def on_prefilled(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
+        self.engine._mtp_kv_at_last_position(prompts, first_tokens, hidden)
 
 
 def _rng_state(gen: Optional[torch.Generator]) -> bytes:

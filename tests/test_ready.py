@@ -17,8 +17,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine import EngineConfig, LLMEngine, StepHooks
 from pdserve.kv_cache import CacheConfig
+from pdserve.prefill_service.engine import PrefillEngine
 from pdserve.sampling import SamplingParams
 from pdserve.serving.warmup import WarmupPlan, plan_for, slow_first_forward, warm_up
 from pdserve.spec_decode import SpeculativeConfig
@@ -66,7 +67,7 @@ def test_warmup_keeps_the_tiers_hooks_out(tiny_v3_dir):
     afterwards."""
     engine = engine_for(tiny_v3_dir)
 
-    class Recording:
+    class Recording(StepHooks):
         computes_mtp_kv = True
         seen: list = []
 
@@ -79,6 +80,26 @@ def test_warmup_keeps_the_tiers_hooks_out(tiny_v3_dir):
     hooks = engine.hooks = Recording()
     warm_up(engine, FULL_PLAN)
     assert engine.hooks is hooks and hooks.seen == []
+
+
+def test_a_speculating_prefill_workers_warmup_computes_the_mtp_kv_of_every_prompt_and_ships_nothing(tiny_v3_dir):
+    """The hand-over's one-token MTP forward at each prompt's last position (attention over the whole prompt) runs
+    for every warm-up prompt, as for a real one: on a GPU its kernels compile before the first request, not in it."""
+    engine = engine_for(tiny_v3_dir, speculate=True)
+    prefill = PrefillEngine(engine, sender=None)
+    computed = []
+    mtp_decode = engine.runner.mtp_decode
+
+    def recording(reqs, next_tokens, hidden):
+        computed.extend(r.num_prompt_tokens for r in reqs)
+        return mtp_decode(reqs, next_tokens, hidden)
+
+    engine.runner.mtp_decode = recording
+    report = warm_up(engine, WarmupPlan(prompt_lens=(1, 17, 49), prompt_batch=4))
+    assert sorted(computed) == [1, 17, 17, 17, 17, 17, 49] and report.requests == 7
+    assert engine.hooks is prefill and not prefill._jobs and not prefill._parked  # nothing shipped, nothing held
+    plain = PrefillEngine(engine_for(tiny_v3_dir), sender=None)  # no MTP-layer KV: nothing more to compute
+    assert not plain.compute_only().computes_mtp_kv
 
 
 def test_cpu_plans_are_one_short_prompt_and_one_decode_step(tiny_v3_dir):

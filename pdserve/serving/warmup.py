@@ -116,10 +116,10 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan, say: Optional[Callable[[str], N
     phases: list[tuple[str, float]] = []
     start = time.monotonic()
     # A tier's step hooks (the prefill worker ships each prompt's KV from them) stay out: warm-up requests ship
-    # nothing. The MTP layer's prompt KV is still computed when the tier computes it.
+    # nothing. What the tier computes for a prompt is still computed (the prefill worker's MTP-layer KV).
     tier_hooks = getattr(engine, "hooks", None)
     if tier_hooks is not None:
-        engine.hooks = _NoHooks(getattr(tier_hooks, "computes_mtp_kv", False))
+        engine.hooks = tier_hooks.compute_only()
 
     def prompt(n: int) -> list[int]:  # random ids: no two warm-up prompts share a cached prefix
         return [rng.randrange(low, vocab) for _ in range(n)]
@@ -185,19 +185,6 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan, say: Optional[Callable[[str], N
         f"warm-up left {free_before - alloc.num_free} pages allocated"
     assert not engine.has_unfinished
     return WarmupReport(time.monotonic() - start, counter["requests"], counter["steps"], tuple(phases))
-
-
-class _NoHooks:
-    """Step hooks that do nothing (pdserve.engine.StepHooks' interface)."""
-
-    def __init__(self, computes_mtp_kv: bool):
-        self.computes_mtp_kv = computes_mtp_kv
-
-    def on_layer_done(self, prompts, layer: int) -> None:
-        pass
-
-    def on_prefilled(self, prompts, first_tokens, hidden) -> None:
-        pass
 
 
 def slow_first_forward(engine: LLMEngine, seconds: float) -> None:
