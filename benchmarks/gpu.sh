@@ -34,8 +34,9 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              own stage metrics (router TTFT, prefill worker TTFT, KV transfer) (~2 min)
   trace      where a request's time goes between the processes: bench_serving.py at concurrency 1 on each model and at
              32 on the V3 slice with PDSERVE_TRACE set, then benchmarks/trace_report.py (median ms from the router's
-             receipt to each point; at c=32 the prefill worker's time per step), and bench_prefill_stages.py on the
-             V3 slice's 2048-token prompt (the same step in one process) (~5 min)
+             receipt to each point, and the slowest request's; at c=32 the prefill worker's time per step), and
+             bench_prefill_stages.py on the V3 slice's 2048-token prompt (the same step in one process) (~5 min;
+             extra args go to bench_serving.py, e.g. --speculative-num-steps 3 for the NextN hand-over's points)
   profile    py-spy on the decode worker and the router while pdserve bench drives pdserve up (demo model) at
              concurrency 32 and 1: where the stack's host time goes (~2 min; needs py-spy in .whl/)
   kv-ipc     one GPU: the cuda_ipc KV-transfer tests, bench_kv_transfer.py --backend cuda_ipc (V3-slice and 61-layer

@@ -1,8 +1,9 @@
 """Where requests' time goes between the stack's processes, from the timestamps PDSERVE_TRACE collects
-(pdserve/common/trace.py): for every point a request passed, the median time since the router received it, and since
-the point before it; and the prefill worker's cadence under load: the time from one step's sampling to the next's
-(its wall time per step, to hold against the engine's prefill of the same prompts) and from a step's sampling to the
-next step's first layer on the host (the host work between two steps' GPU work, plus the first layer's launch).
+(pdserve/common/trace.py): for every point a request passed, the median time since the router received it, since
+the point before it, and the slowest request's time since its receipt (a one-time cost shows there, not in the
+median); and the prefill worker's cadence under load: the time from one step's sampling to the next's (its wall time
+per step, to hold against the engine's prefill of the same prompts) and from a step's sampling to the next step's
+first layer on the host (the host work between two steps' GPU work, plus the first layer's launch).
 
     PDSERVE_TRACE=/tmp/t pdserve up ...   # then drive it (pdserve bench), then stop it
     python benchmarks/trace_report.py /tmp/t [--json out.json]
@@ -38,7 +39,8 @@ def load(folder: str) -> dict[str, dict[str, int]]:
 
 
 def report(requests: dict[str, dict[str, int]]) -> list[dict]:
-    """One row per event, in order of its median offset: offset from router.recv and gap from the row before, ms."""
+    """One row per event, in order of its median offset: offset from router.recv (median and max) and gap from the
+    row before, ms."""
     offsets: dict[str, list[float]] = defaultdict(list)
     for events in requests.values():
         start = events.get("router.recv")
@@ -46,8 +48,8 @@ def report(requests: dict[str, dict[str, int]]) -> list[dict]:
             continue
         for event, t in events.items():
             offsets[event].append((t - start) / 1e6)
-    rows = sorted(({"event": e, "requests": len(v), "median_ms": statistics.median(v)} for e, v in offsets.items()),
-                  key=lambda r: r["median_ms"])
+    rows = sorted(({"event": e, "requests": len(v), "median_ms": statistics.median(v), "max_ms": max(v)}
+                   for e, v in offsets.items()), key=lambda r: r["median_ms"])
     previous = 0.0
     for row in rows:
         row["gap_ms"] = row["median_ms"] - previous
@@ -100,9 +102,11 @@ def main() -> None:
     rows = report(requests)
     timed = sum(1 for e in requests.values() if "router.recv" in e)
     print(f"{timed} requests timed from router.recv ({len(requests)} ids seen) in {args.folder}")
-    print(f"{'point':28s} {'requests':>8s} {'since router.recv':>18s} {'since the point before':>24s}")
+    print(f"{'point':28s} {'requests':>8s} {'since router.recv':>18s} {'since the point before':>24s} "
+          f"{'slowest request':>16s}")
     for r in rows:
-        print(f"{r['event']:28s} {r['requests']:8d} {r['median_ms']:15.2f} ms {r['gap_ms']:21.2f} ms")
+        print(f"{r['event']:28s} {r['requests']:8d} {r['median_ms']:15.2f} ms {r['gap_ms']:21.2f} ms "
+              f"{r['max_ms']:13.2f} ms")
     steps = cadence(requests)
     if steps:
         print(f"prefill steps that completed prompts: {steps['steps']} ({steps['prompts_per_step']:.2f} prompts each)")

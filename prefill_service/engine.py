@@ -264,6 +264,7 @@ class PrefillEngine(StepHooks):
         if rows:  # (add() admitted a bound job that ships it only where this worker computes the MTP layer)
             self._mtp_kv_at_last_position([prompts[i] for i in rows], [first_tokens[i] for i in rows], hidden[rows])
             for i in rows:
+                mark("prefill.mtp_kv_computed", prompts[i].request_id)
                 if jobs[i][1] is not None:
                     jobs[i][1].send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
                                            self._slots_of(prompts[i]))
@@ -272,6 +273,7 @@ class PrefillEngine(StepHooks):
             aux = {"first_token_id": tok, "cached_tokens": req.num_cached_tokens, "hidden": h.clone(),
                    "rng_state": _rng_state(req.generator)}
             if handle is not None:
+                mark("prefill.handed_over", req.request_id)  # (before: the confirmation may come back first)
                 handle.finish(aux)
             else:  # held past the request's end (this step) until its bind ships them
                 self.pool.allocator.incref(req.pages)

@@ -142,6 +142,7 @@ class PrefillWorker:
                 self.metrics.count(self.metrics.transfer_failures, kind=e.kind, transport=transport)
                 self.metrics.count(self.metrics.requests, outcome="failed")
                 return
+            mark("prefill.transfer_confirmed", request_id)
             self.metrics.count(self.metrics.transfer_bytes, stats.bytes_sent, transport=transport)
             self.metrics.observe(self.metrics.transfer_seconds, time.monotonic() - start, transport=transport)
             self.metrics.count(self.metrics.requests, outcome="finished")
