@@ -95,8 +95,9 @@ def test_a_speculating_prefill_workers_warmup_computes_the_mtp_kv_of_every_promp
         return mtp_decode(reqs, next_tokens, hidden)
 
     engine.runner.mtp_decode = recording
-    report = warm_up(engine, WarmupPlan(prompt_lens=(1, 17, 49), prompt_batch=4))
-    assert sorted(computed) == [1, 17, 17, 17, 17, 17, 49] and report.requests == 7
+    report = warm_up(engine, FULL_PLAN)  # (its decode batches and mixed step too: a prefill worker's never run them)
+    assert sorted(computed) == sorted([1, 17, 32, 49] + [17] * 4 + [21] * 3 + [17] * (1 + 2 + 4) + [17] * 3)
+    assert report.requests == len(computed)
     assert engine.hooks is prefill and not prefill._jobs and not prefill._parked  # nothing shipped, nothing held
     plain = PrefillEngine(engine_for(tiny_v3_dir), sender=None)  # no MTP-layer KV: nothing more to compute
     assert not plain.compute_only().computes_mtp_kv
