@@ -77,13 +77,17 @@ class PrefillEngine(StepHooks):
 
     def __init__(self, core: LLMEngine, sender: KVSender,
                  on_blocks: Optional[Callable[[list[bytes]], None]] = None, max_queued: int = 256,
-                 layerwise: bool = True, on_first_token: Optional[Callable[["PrefillResult"], None]] = None):
+                 layerwise: bool = True, on_first_token: Optional[Callable[["PrefillResult"], None]] = None,
+                 before_hand_over: Optional[Callable[[list[str]], None]] = None):
         """on_first_token(result): told, on the engine thread, the result of a bound prompt without logprobs as soon
         as its first token is sampled, before its KV is handed over (the router sends that token to its client at
         once: on an H200 the rest of the step and the hand-off took 2.3 ms of the V3 slice's TTFT); `step` then
-        leaves it out. Without it, or for the other prompts, results come from `step`."""
+        leaves it out. Without it, or for the other prompts, results come from `step`. before_hand_over(request
+        ids): called next, on the engine thread, with the ids on_first_token was told in this step (the worker may
+        let its event loop send those answers before the hand-over's host work competes with it)."""
         self.core, self.sender = core, sender
         self.on_first_token = on_first_token
+        self.before_hand_over = before_hand_over
         self.layerwise = layerwise
         self.max_queued = max_queued  # prompts waiting for compute; a bounded queue answers "full" at once
         self.pool, self.scheduler = core.pool, core.scheduler
@@ -237,11 +241,15 @@ class PrefillEngine(StepHooks):
             mark("prefill.sampled", req.request_id)
         jobs = [self._jobs[req.request_id] for req in prompts]
         if self.on_first_token is not None:
+            told = []
             for req, (job, handle), tok in zip(prompts, jobs, first_tokens):
                 if handle is not None and not job.params.wants_logprobs:
                     self._told.add(req.request_id)
+                    told.append(req.request_id)
                     self.on_first_token(PrefillResult(req.request_id, tok, req.num_cached_tokens, handle,
                                                       time.monotonic() - job.arrival_time))
+            if told and self.before_hand_over is not None:
+                self.before_hand_over(told)
         try:
             self._hand_over(prompts, jobs, first_tokens, hidden)
         except BaseException:  # the prompts already answered hear of it from their decode worker, at once

@@ -28,6 +28,7 @@ from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
 from pdserve.serving.worker_common import Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info
 
+from .answers_out import AnswersOut
 from .destinations import Destinations
 from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob
 
@@ -84,9 +85,10 @@ class PrefillWorker:
         sender_cls = TRANSPORTS.get(config.kv_transport).sender
         self.sender = sender_cls(self.layout, timeout_s=config.transfer_timeout_s,
                                  token=config.security.internal_token, device=self.core.pool.kv.device)
+        self.answers = AnswersOut()
         self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held,
                                     max_queued=config.max_queued_requests, layerwise=config.kv_layerwise,
-                                    on_first_token=self._deliver_one)
+                                    on_first_token=self._answer_early, before_hand_over=self._let_answers_out)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
@@ -118,6 +120,16 @@ class PrefillWorker:
     def _deliver_one(self, result) -> None:
         self.metrics.ttft.observe(result.ttft_s)
         self.deliveries.resolve(result.request_id, result)
+
+    def _answer_early(self, result) -> None:
+        self.answers.expect(result.request_id)
+        self._deliver_one(result)
+
+    def _let_answers_out(self, told: list[str]) -> None:
+        """Engine thread, between the first tokens and the KV hand-over (see answers_out.py)."""
+        sched, told_ids = self.core.scheduler, set(told)
+        if not sched.waiting and all(r.request_id in told_ids for r in sched.running):
+            self.answers.wait()
 
     def _update_gauges(self) -> None:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
@@ -231,6 +243,8 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             if result.first_token_logprob is not None:
                 resp.first_token_logprobs.CopyFrom(logprob_to_proto(result.first_token_logprob))
             mark("prefill.answer", rid)
+            # Runs once this task yields, i.e. once gRPC has the response: the engine thread may hand over its KV.
+            asyncio.get_running_loop().call_soon(w.answers.sent, rid)
             return resp
         except KVTransferError as e:
             w.metrics.count(w.metrics.transfer_failures, kind=e.kind, transport=transport)

@@ -162,15 +162,27 @@ def test_an_aborted_parked_prompt_lets_its_pages_go_and_a_late_bind_is_aborted(t
     assert engine.core.kv_pages_in_use_by_requests() == 0
 
 
+def in_process_worker(tiny_v3_dir) -> PrefillWorker:
+    """A prefill worker without its gRPC server (call PrefillServicer's methods; start() it on a running loop)."""
+    return PrefillWorker(PrefillWorkerConfig(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64)),
+                                             warmup=False),
+                         WorkerIdentity("prefill-test", "prefill", "127.0.0.1:0"), Metrics.create("prefill"))
+
+
+def bound_request(worker: PrefillWorker, rid: str = "r") -> pb.PrefillRequest:
+    """A Prefill with its destination (skip_mtp_kv); pair it with `worker.sender.begin = lambda *a: handle`."""
+    request = pb.PrefillRequest(request_id=rid, input_ids=worker.core.encode(PROMPT))
+    request.destination.CopyFrom(pb.ReserveResponse(dst_pages=list(range(16)), layout=layout_to_proto(worker.layout),
+                                                    skip_mtp_kv=True))
+    return request
+
+
 @pytest.mark.parametrize("during", ["add", "bound add", "connect"])
 def test_a_prefill_call_cancelled_midway_leaves_no_pages_and_no_open_handle_behind(tiny_v3_dir, during):
     """The router's deadline can end a Prefill call while the engine thread runs its add, or while a thread opens
     its KV connection: that work goes on all the same, so the call must undo it when it ends (found as a leak on a
     2-core CI machine: 2 of 512 pages held for good after 200 requests with 1-20 ms deadlines)."""
-    worker = PrefillWorker(PrefillWorkerConfig(EngineConfig(str(tiny_v3_dir),
-                                                            cache=CacheConfig(page_size=4, num_pages=64)),
-                                               warmup=False),
-                           WorkerIdentity("prefill-test", "prefill", "127.0.0.1:0"), Metrics.create("prefill"))
+    worker = in_process_worker(tiny_v3_dir)
     midway, go_on = threading.Event(), threading.Event()
 
     def held_up(fn):
@@ -187,10 +199,8 @@ def test_a_prefill_call_cancelled_midway_leaves_no_pages_and_no_open_handle_behi
         worker.sender.begin = held_up(worker.sender.begin)
     else:
         worker.engine.add = held_up(worker.engine.add)
-    request = pb.PrefillRequest(request_id="r", input_ids=worker.core.encode(PROMPT))
-    if during != "add":
-        request.destination.CopyFrom(pb.ReserveResponse(dst_pages=list(range(16)),
-                                                        layout=layout_to_proto(worker.layout), skip_mtp_kv=True))
+    request = (pb.PrefillRequest(request_id="r", input_ids=worker.core.encode(PROMPT)) if during == "add"
+               else bound_request(worker))
 
     async def cancel_midway() -> pb.WorkerLoad:
         worker.start(asyncio.get_running_loop())
