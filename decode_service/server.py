@@ -26,7 +26,7 @@ from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
-from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info
+from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread
 
 from .engine import DecodeEngine
 from .streams import Connection, StreamHub
@@ -151,12 +151,14 @@ class DecodeWorker:
         self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request on the engine thread; the gauges follow at once (an idle engine runs no step that would
+        """Drop a request on the engine thread (`drop`)."""
+        self.loop.submit(lambda: self.drop(request_id))
+
+    def drop(self, request_id: str) -> None:
+        """Engine thread: the request goes; the gauges follow at once (an idle engine runs no step that would
         refresh them)."""
-        def run() -> None:
-            self.engine.abort(request_id)
-            self._update_gauges()
-        self.loop.submit(run)
+        self.engine.abort(request_id)
+        self._update_gauges()
 
     def _output(self, out: RequestOutput) -> None:
         mark("decode.first_output", out.request_id)  # (only a request's first token comes this way)
@@ -217,13 +219,7 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             ids = list(request.input_ids)
             rid = request.request_id
             mark("decode.reserve", rid)
-            try:
-                t = await asyncio.wrap_future(w.loop.submit(lambda: w.engine.reserve(rid, ids, params)))
-            except asyncio.CancelledError:
-                # The caller went away (deadline, cancel) while the engine reserved. The engine thread runs its
-                # commands in order, so this abort finds the reservation if one was made.
-                w.abort(rid)
-                raise
+            t = await on_engine_thread(w.loop, lambda: w.engine.reserve(rid, ids, params), lambda: w.drop(rid))
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)

@@ -26,7 +26,9 @@ from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
-from pdserve.serving.worker_common import Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info
+from pdserve.serving.worker_common import (
+    Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread,
+)
 
 from .answers_out import AnswersOut
 from .destinations import Destinations
@@ -210,15 +212,10 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                 transport = handle.transport
             result_future = w.deliveries.expect(rid)
             try:
-                await asyncio.wrap_future(w.loop.submit(lambda: w.engine.add(job, handle)))
+                await on_engine_thread(w.loop, lambda: w.engine.add(job, handle), lambda: self._give_up(rid, handle))
             except BaseException as e:
                 w.deliveries.discard(rid)
-                if isinstance(e, asyncio.CancelledError):
-                    # The router went away (its deadline) while the engine thread admitted the prompt: the add may
-                    # have run all the same. The engine thread runs its commands in order, so this finds the job if
-                    # it was added (a prompt nobody binds would otherwise stay parked, its pages held for good).
-                    w.loop.submit(lambda: self._give_up(rid, handle))
-                elif handle is not None:
+                if handle is not None and not isinstance(e, asyncio.CancelledError):  # (a cancel's undo aborts it)
                     handle.abort()
                 raise
             w.metrics.count(w.metrics.prompt_tokens, len(job.prompt_ids))
@@ -255,7 +252,8 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             await abort_with(context, e)
 
     def _give_up(self, rid: str, handle) -> None:
-        """Engine thread: the job of a Prefill call cancelled while it was being added, whether or not it was."""
+        """Engine thread: the job of a Prefill call cancelled while it was being added, whether or not it was (a
+        prompt nobody binds would otherwise stay parked, its pages held for good)."""
         if not self.w.engine.abort(rid) and handle is not None:  # (abort aborts the handle of a job it finds)
             handle.abort()
         self.w._update_gauges()  # an idle engine runs no step that would refresh them

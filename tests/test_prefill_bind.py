@@ -164,8 +164,8 @@ def test_an_aborted_parked_prompt_lets_its_pages_go_and_a_late_bind_is_aborted(t
 
 def in_process_worker(tiny_v3_dir) -> PrefillWorker:
     """A prefill worker without its gRPC server (call PrefillServicer's methods; start() it on a running loop)."""
-    return PrefillWorker(PrefillWorkerConfig(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64)),
-                                             warmup=False),
+    engine = EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64))
+    return PrefillWorker(PrefillWorkerConfig(engine, warmup=False),
                          WorkerIdentity("prefill-test", "prefill", "127.0.0.1:0"), Metrics.create("prefill"))
 
 

@@ -10,7 +10,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.engine import LLMEngine
 from pdserve.common.values import KVLayout
@@ -83,6 +83,18 @@ class Deliveries:
 
     def discard(self, key: str) -> None:
         self._futures.pop(key, None)
+
+
+async def on_engine_thread(loop, command: Callable[[], Any], undo: Callable[[], Any]) -> Any:
+    """`command()` run on the engine thread (`loop`: the worker's EngineLoop), awaited by an RPC. If the RPC ends
+    meanwhile (its deadline, a cancel), the command may run all the same (it may be running already), so `undo()` is
+    queued behind it: the engine thread runs its commands in order, so undo finds what the command made, or nothing.
+    Without it a reservation or a computed prompt nobody waits for any more would hold its pages for good."""
+    try:
+        return await asyncio.wrap_future(loop.submit(command))
+    except asyncio.CancelledError:
+        loop.submit(undo)
+        raise
 
 
 LOAD_WAIT_S = 0.05  # GetLoad waits this long for the engine thread, then answers the last load it read
