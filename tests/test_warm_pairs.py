@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 
@@ -38,6 +39,10 @@ def test_every_pair_is_warm_before_the_router_serves(tiny_v3_dir, tmp_path):
         assert sample(router, "pdserve_time_to_first_token_seconds_count") == 0
         out = generate(stack.router.address, [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=4, ignore_eos=True))
         assert len(out.output_ids) == 4
+        # The router counts a request as its stream ends, a moment after the client read the complete message.
+        deadline = time.monotonic() + 5
+        while sample(scrape(stack.router), "pdserve_requests_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert sample(scrape(stack.router), "pdserve_requests_total") == 1
     finally:
         stack.stop()
