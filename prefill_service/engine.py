@@ -213,6 +213,7 @@ class PrefillEngine(StepHooks):
         handle.send_layers(0, self.pool.kv[:main], parked.slots)
         if job.ships_mtp:
             handle.send_layers(main, self.pool.kv[main:main + self._num_mtp_layers], parked.slots)
+        mark("prefill.handed_over", job.request_id)
         handle.finish(parked.aux)
         self.pool.allocator.decref(parked.pages)  # the rows are the transport's now (it gathered them)
         del self._jobs[job.request_id]
