@@ -93,7 +93,15 @@ def choose_num_splits(batch: int, heads: int, max_pages: int, page_size: int, bl
     return -(-max_pages // pages_per_split)  # no split left empty by rounding
 
 
-@triton.jit(do_not_specialize=["pages_per_split", "stride_ml_b", "stride_ml_h"])  # one compile for any split count
+# Triton compiles a variant per specialization of its integer arguments (== 1, a multiple of 16). Arguments that
+# follow a request's length (max_pages and the page table's row stride: its width) are not specialized: the eager
+# callers (a prefill worker's one-token NextN forward over each prompt) would compile a variant for a prompt length
+# the warm-up never ran, in a request (377 ms on an H200, the demo model's first 512-token prompt). Nor is the
+# split count; so this kernel has two variants in all (DIRECT or not), whatever the lengths.
+LENGTH_ARGS = ["max_pages", "pages_per_split", "stride_pt_b", "stride_ml_b", "stride_ml_h"]
+
+
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def _split_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
                   sm_scale_log2, num_heads, max_pages, pages_per_split,
                   stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h, stride_kv, stride_pt_b,
@@ -250,8 +258,14 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tenso
         mid_o, mid_lse, out, num_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        R=rank, BLOCK_R=next_pow2(rank), BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
+        R=rank, BLOCK_R=next_pow2(rank), BLOCK_S=merge_block(num_splits), num_warps=4)
     return out
+
+
+def merge_block(num_splits: int) -> int:
+    """The merge's LSE vector: one width for every split count choose_num_splits gives (one compile, not one per
+    power of two of the length), wider only for an explicit num_splits above MAX_SPLITS."""
+    return max(next_pow2(MAX_SPLITS), next_pow2(num_splits))
 
 
 def _launcher(kernel, grid: tuple, compile_only: bool):

@@ -8,9 +8,11 @@ module could no longer turn the interpreter on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
+from typing import Iterator
 
 import torch
 
@@ -67,3 +69,34 @@ def num_sms(device: torch.device) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@contextlib.contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """Inside: the list of Triton kernel variants this process compiles (or loads from the on-disk cache), one
+    `name[options](signature)` entry each. What a warm-up promises: once it ran, no request compiles anything.
+
+    Triton 3.4+ calls `triton.knobs.runtime.jit_post_compile_hook` for each new variant (older: the class attribute
+    `JITFunction.compiled_hook`); a hook already set is called too and put back after."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if knobs is not None and hasattr(knobs, "jit_post_compile_hook"):
+        owner, attr = knobs, "jit_post_compile_hook"
+    elif hasattr(JITFunction, "compiled_hook"):
+        owner, attr = JITFunction, "compiled_hook"
+    else:
+        raise RuntimeError(f"triton {triton.__version__} has no post-compile hook to count compiles with")
+    seen: list[str] = []
+    previous = getattr(owner, attr)
+
+    def hook(*args, **kwargs):
+        seen.append(str(kwargs.get("repr") or kwargs.get("fn") or args))
+        return previous(*args, **kwargs) if previous is not None else None
+
+    setattr(owner, attr, hook)
+    try:
+        yield seen
+    finally:
+        setattr(owner, attr, previous)

@@ -115,6 +115,26 @@ else:
                 assert splits == 1 or -(-max_pages // splits) * 64 >= MIN_TOKENS_PER_SPLIT
                 assert -(-max_pages // -(-max_pages // splits)) == splits  # no split left empty
 
+    def test_no_length_dependent_argument_picks_a_kernel_variant():
+        """Triton compiles a variant per constexpr value and per specialization of an integer argument: one that
+        follows the request's length would compile in a request the warm-up's lengths missed (tests/test_gpu_warmup.py
+        counts them on a GPU). The merge's block is one width for every split count the heuristic gives, and the
+        length-derived integers are not specialized."""
+        from pdserve.kernels.triton_mla_decode import LENGTH_ARGS, _merge_kernel, _split_kernel, merge_block
+
+        blocks = {merge_block(choose_num_splits(batch, heads, max_pages, page, block_h, 132, programs_per_sm=pps,
+                                                min_tokens_per_split=mts))
+                  for batch in (1, 2, 3, 8, 64, 256) for heads, block_h in ((16, 16), (128, 64))
+                  for max_pages in range(1, 1100, 7) for page in (1, 16, 64) for pps in (0.5, 2, 8) for mts in (64, 512)}
+        assert blocks == {merge_block(1)}
+        assert merge_block(MAX_SPLITS + 1) > merge_block(1)  # an explicit split count above the cap still fits
+        for kernel, names in ((_split_kernel, LENGTH_ARGS), (_merge_kernel, ["num_splits"])):
+            if hasattr(kernel, "params"):  # compiled: the JITFunction's parameters
+                unspecialized = {p.name for p in kernel.params if p.do_not_specialize}
+            else:  # the interpreter's wrapper keeps the decorator's arguments
+                unspecialized = set(kernel.kwargs["do_not_specialize"])
+            assert set(names) <= unspecialized, f"{kernel}: {set(names) - unspecialized} specialized"
+
     def ragged_case(q_lens, kv_lens, heads, dqk, dv, seed):
         gen = torch.Generator().manual_seed(seed)
         qo, kvo = [0], [0]
