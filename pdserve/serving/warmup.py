@@ -5,7 +5,10 @@ call of each attention backend plans its work (FlashInfer). A worker that said S
 requests wait behind those compiles, long enough for the router to drop it (FACTS.md section 9: 63 of 64 requests
 failed right after a cold start). CUDA graphs are captured when the engine is built (pdserve/cuda_graph.py); this
 runs the rest: prompts of the sizes that matter (1 token, one prefill chunk, a chunk and a bit, several prompts in
-one step, a prompt split across steps beside others) and a decode batch per captured decode bucket.
+one step, a prompt split across steps beside others) and a decode batch per captured decode bucket. Those lengths
+stand for every other only because no kernel specializes on a length-derived integer (a Triton variant per
+multiple of 16 would compile in a request): tests/test_gpu_warmup.py runs prompts of 2 to 4500 tokens after a
+prefill worker's warm-up and fails on any compile.
 
 It drives the engine only through its public API (`add_request`, `step`, `abort`, `has_unfinished`) and leaves it as
 it was: no request, no page held, the prefix cache as before (it must be empty then; the warm-up's blocks are
