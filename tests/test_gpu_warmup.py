@@ -34,6 +34,7 @@ def test_the_mla_decode_kernel_compiles_two_variants_for_every_length_and_batch(
     table's width, the split count and the batch do not add any. A config no other test uses, so that this process
     has compiled none of its variants before."""
     from pdserve.kernels.triton_mla_decode import DecodeConfig, choose_num_splits, mla_decode
+    from pdserve.kernels.triton_support import num_sms
 
     cfg = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=3)
     heads, rank, rope, page = 16, 512, 64, 16
@@ -48,7 +49,7 @@ def test_the_mla_decode_kernel_compiles_two_variants_for_every_length_and_batch(
                 table = torch.randint(0, 600, (batch, pages), device="cuda", dtype=torch.int32, generator=gen)
                 lens = torch.full((batch,), pages * page - 3, device="cuda", dtype=torch.int64).clamp(min=1)
                 mla_decode(q_lat, q_pe, kv, table, lens, page, 0.1, config=cfg)
-                splits_seen.add(choose_num_splits(batch, heads, pages, page, cfg.block_h, 132,
+                splits_seen.add(choose_num_splits(batch, heads, pages, page, cfg.block_h, num_sms(kv.device),
                                                   programs_per_sm=cfg.programs_per_sm,
                                                   min_tokens_per_split=cfg.min_tokens_per_split) > 1)
     torch.cuda.synchronize()
