@@ -13,7 +13,7 @@ sampling, plain 0.87 -> 1.05), which only the second token feels.
 
 On the H200 (demo model, c=1, traced, this wait against MAX_WAIT_S = 0 on fresh stacks alternating; tree ae82ae4;
 benchmarks/results/README.md) it changed nothing measurable: sampling -> router's first token 1.37-1.64 ms median
-with it, 1.19-1.67 without, KV and second token alike. The GPU's forward leaves the host threads less to fight over.
+with it, 1.19-1.67 without, KV and second token alike (why it helps on the CPU machine and not there is not known).
 
 So the engine thread, before the hand-over, waits (at most `max_wait_s`) until the event loop has handed the answers
 it was just told to gRPC, but only when no other prompt waits for the engine: under load the next step comes first.
