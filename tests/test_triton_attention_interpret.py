@@ -125,7 +125,8 @@ else:
         blocks = {merge_block(choose_num_splits(batch, heads, max_pages, page, block_h, 132, programs_per_sm=pps,
                                                 min_tokens_per_split=mts))
                   for batch in (1, 2, 3, 8, 64, 256) for heads, block_h in ((16, 16), (128, 64))
-                  for max_pages in range(1, 1100, 7) for page in (1, 16, 64) for pps in (0.5, 2, 8) for mts in (64, 512)}
+                  for max_pages in range(1, 1100, 7) for page in (1, 16, 64)
+                  for pps in (0.5, 2, 8) for mts in (64, 512)}
         assert blocks == {merge_block(1)}
         assert merge_block(MAX_SPLITS + 1) > merge_block(1)  # an explicit split count above the cap still fits
         for kernel, names in ((_split_kernel, LENGTH_ARGS), (_merge_kernel, ["num_splits"])):
