@@ -9,7 +9,6 @@ cache, which costs the same order of time) while real-shaped work runs.
 
 from __future__ import annotations
 
-import argparse
 import random
 from collections import Counter
 
@@ -60,18 +59,17 @@ def test_the_mla_decode_kernel_compiles_two_variants_for_every_length_and_batch(
 
 
 def _prefill_worker_engine(model_dir, speculate: bool):
-    """A prefill worker's engine, built from the flags `pdserve up` gives it (prefill_only: no decode graphs)."""
-    from pdserve.cli.engine_args import add_engine_args, engine_config_from_args
+    """A prefill worker's engine, from `pdserve prefill`'s own parser (prefill_only: no decode graphs)."""
+    from pdserve.cli import build_parser
+    from pdserve.cli.engine_args import engine_config_from_args
     from pdserve.engine import LLMEngine
     from pdserve.prefill_service.engine import PrefillEngine
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    flags = ["--model", str(model_dir), "--device", "cuda", "--page-size", "16", "--num-pages", "2048",
+    flags = ["prefill", "--model", str(model_dir), "--device", "cuda", "--page-size", "16", "--num-pages", "2048",
              "--max-num-batched-tokens", "2048", "--max-running-requests", "32"]
     if speculate:
         flags += ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"]
-    engine = LLMEngine(engine_config_from_args(p.parse_args(flags), prefill_only=True))
+    engine = LLMEngine(engine_config_from_args(build_parser().parse_args(flags), prefill_only=True))
     return engine, PrefillEngine(engine, sender=None)
 
 
