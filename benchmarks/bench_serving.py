@@ -132,19 +132,30 @@ def stop(up: subprocess.Popen) -> None:
 
 def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> None:
     """Fills `result` as it goes (save() after each measurement); each run's files go to `out`."""
-    port = free_port()
-    # No HTTP front, and metrics on free ports (--metrics-port 0): the fixed defaults (8000, 9100+) could be taken
-    # on a shared machine. The workers' metrics give each run's KV transfer time and NextN acceptance.
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--no-http", "--metrics-port", "0",
-           *engine_flags(args, model), *args.up_arg]
     log_path = os.path.join(args.out, f"{name}_up.log")
-    log(f"{name}: starting the stack: {shlex.join(cmd[1:])}")
     t0 = time.monotonic()
-    up = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    result["command"] = shlex.join(["python", *cmd[1:]])
+    up = None
     try:
-        result.update(tail_until_up(up, log_path, args.start_timeout))
+        for attempt in range(3):
+            port = free_port()
+            # No HTTP front, and metrics on free ports (--metrics-port 0): the fixed defaults (8000, 9100+) could be
+            # taken on a shared machine. The workers' metrics give each run's KV transfer time and NextN acceptance.
+            cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--no-http", "--metrics-port", "0",
+                   *engine_flags(args, model), *args.up_arg]
+            log(f"{name}: starting the stack: {shlex.join(cmd[1:])}")
+            up = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            result["command"] = shlex.join(["python", *cmd[1:]])
+            try:
+                result.update(tail_until_up(up, log_path, args.start_timeout))
+                break
+            except RuntimeError as e:
+                # NOTE: the port was free when picked, but another process (the last stack's workers, still
+                # exiting, hold ports of their own) may take it before `up` binds it: `up` then refuses at once,
+                # before any worker starts, and another port is tried.
+                if "cannot listen on" not in str(e) or attempt == 2:
+                    raise
+                log(f"{name}: port {port} was taken before `up` could bind it; trying another")
         log(f"{name}: up after {result['up_s']:.1f} s; warm-up per worker {result['warmup_s']}")
         for i, c in enumerate(args.concurrency):
             n = num_prompts(args, c)
@@ -185,7 +196,8 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> Non
             log(f"{name}: prompts only, c={c}: {r['completed']} ok, {r['failed']} failed, "
                 f"{r['input_token_throughput']:.0f} in tok/s, TTFT p50 {_ms(r['ttft']['median_ms'])}")
     finally:
-        stop(up)
+        if up is not None:
+            stop(up)
         result["stack_s"] = time.monotonic() - t0
 
 

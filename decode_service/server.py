@@ -15,6 +15,7 @@ import grpc
 from pdserve.common.trace import mark
 from pdserve.serving.auth import SecurityConfig, internal_auth
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
+from pdserve.gpu_clock import ReplayClock
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
     Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
@@ -29,6 +30,7 @@ from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_wor
 from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread
 
 from .engine import DecodeEngine
+from .pacing import StepPacer
 from .streams import Connection, StreamHub
 
 log = logging.getLogger(__name__)
@@ -50,16 +52,19 @@ class DecodeWorkerConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     security: SecurityConfig = SecurityConfig()
     warmup: bool = True  # run the warm-up (pdserve/serving/warmup.py) before the port opens
-    # Pacing: while prompts bound here are still being prefilled, a step starts at most this often (0: at once).
-    # On a GPU shared with the prefill worker, fewer and fuller decode steps leave it more of the GPU (see
-    # DecodeWorker._hold).
+    # Pacing (decode_service/pacing.py), while prompts bound here are still being prefilled: a step starts at most
+    # this often (0: at once), and its graphs' GPU time is at most this share of the time to the next (1: any).
+    # On a GPU shared with the prefill worker, fewer and fuller decode steps leave it more of the GPU.
     min_step_interval_s: float = 0.0
+    gpu_share_while_prefilling: float = 1.0
     test_hook_slow_first_forward_s: float = 0.0  # TEST HOOK: the first forward sleeps this long (a cold compile)
     test_hook_slow_kv_arrival_s: float = 0.0  # TEST HOOK: each prompt's received KV waits this long (a slow transfer)
 
     def __post_init__(self) -> None:
         if not self.min_step_interval_s >= 0:
             raise ValueError(f"min_step_interval_s must be >= 0 (got {self.min_step_interval_s})")
+        if not 0 < self.gpu_share_while_prefilling <= 1:
+            raise ValueError(f"gpu_share_while_prefilling must be in (0, 1] (got {self.gpu_share_while_prefilling})")
         check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
 
 
@@ -94,12 +99,23 @@ class DecodeWorker:
                                    else self.layout.num_kv_layers,
                                    on_output=self._output, on_failed=self._failed,
                                    max_queued=config.max_queued_requests)
-        self._last_step_start = 0.0
+        self.pacer = StepPacer(config.min_step_interval_s, config.gpu_share_while_prefilling)
+        self.clock = self._replay_clock() if config.gpu_share_while_prefilling < 1 else None
         self._held_since: Optional[float] = None  # pacing: when the step to come was first held back
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
-                               on_error=self._step_failed,
-                               hold=self._hold if config.min_step_interval_s > 0 else None)
+                               on_error=self._step_failed, hold=self._hold if self.pacer.enabled else None)
         self.last_load = self.load()  # read here, before the engine thread starts
+
+    def _replay_clock(self) -> Optional[ReplayClock]:
+        """Times this engine's CUDA graph replays (the GPU share's measure); None without graphs (a CPU engine, or
+        graphs off): its steps then have no known GPU time and the share holds nothing back."""
+        runners = [r for r in (self.core.runner.graphs, self.core.runner.mtp_graphs) if r is not None]
+        if not runners:
+            return None
+        clock = ReplayClock()
+        for runner in runners:
+            runner.clock = clock
+        return clock
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.aio_loop = loop
@@ -120,26 +136,27 @@ class DecodeWorker:
 
     # ---- engine thread ------------------------------------------------------------------------------------------
     def _hold(self) -> float:
-        """Seconds the next step waits (pacing, min_step_interval_s). Only while requests reserved here still wait
-        for their KV, i.e. prompts are being prefilled for this worker: when the prefill worker shares the GPU,
-        decode steps every few ms take the GPU from those prompts while each reads (nearly) every expert's
-        weights for a dozen rows; spaced, each step carries more rows for about the same cost, and the prompts
-        get the GPU between them (inter-token latency for throughput). With no prompt on its way there is
-        nothing to make room for: the steps run back to back."""
+        """Seconds the next step waits (decode_service/pacing.py). Only while requests reserved here still wait for
+        their KV, i.e. prompts are being prefilled for this worker; with none on its way the steps run back to
+        back."""
         if not self.engine.pending:
             return 0.0
         now = time.monotonic()
-        wait = self._last_step_start + self.config.min_step_interval_s - now
+        wait = self.pacer.wait(now)
         if wait > 0 and self._held_since is None:
             self._held_since = now
         return wait
 
     def _step(self) -> None:
-        self._last_step_start = time.monotonic()
+        now = time.monotonic()
+        self.pacer.started(now)
         if self._held_since is not None:
-            self.metrics.count(self.metrics.step_hold_seconds, self._last_step_start - self._held_since)
+            self.metrics.count(self.metrics.step_hold_seconds, now - self._held_since)
             self._held_since = None
+        rows = len(self.core.scheduler.running)
         outputs = self.engine.step()
+        if self.clock is not None:  # charged as the step it will be once the prompts on their way have joined
+            self.pacer.launched(self.clock.take_launched(scale=(rows + len(self.engine.pending)) / max(rows, 1)))
         if outputs:  # one hand-off to the event loop per step, not one per request
             self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)
         self._update_gauges()

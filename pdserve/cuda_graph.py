@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.forward_batch import ForwardBatch, ForwardMode
+from pdserve.gpu_clock import ReplayClock
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class DecodeGraphRunner:
         self.max_pages = max_pages_per_seq
         self.graphs: dict[int, _Graph] = {}
         self.replays = 0  # run() calls since capture (tests and benchmarks check the graphs are used)
+        self.clock: Optional[ReplayClock] = None  # when set, every replay is timed (a paced decode worker's)
         self.mempool = torch.cuda.graph_pool_handle()
         start = time.monotonic()
         for bs in reversed(config.buckets()):  # largest first: later graphs reuse its memory pool
@@ -208,6 +210,13 @@ class DecodeGraphRunner:
         hidden = self.model(batch, self.pool.kv)
         return hidden, self.model.logits(hidden)
 
+    def _replay(self, family: tuple, rows: int, graph: torch.cuda.CUDAGraph) -> None:
+        if self.clock is not None:  # family: (MTP runner?, draft chain?)
+            self.clock.replay(family, rows, graph)
+        else:
+            graph.replay()
+        self.replays += 1
+
     def bucket_for(self, num_rows: int, width: int, chain: bool = False) -> Optional[int]:
         """The bucket that replays num_rows rows with page tables `width` pages wide (and, with chain=True, has a
         draft chain); None when no captured graph fits."""
@@ -230,8 +239,7 @@ class DecodeGraphRunner:
         plan = g.chain_plan if chain else g.plan
         if plan is not None:
             plan.replan(packed.page_table, packed.header[3])
-        (g.chain if chain else g.graph).replay()
-        self.replays += 1
+        self._replay((self.mtp, chain), g.bs, g.chain if chain else g.graph)
         return g.chain_tokens[:n] if chain else (g.hidden[:n], g.logits[:n])
 
     def run(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None
@@ -245,7 +253,6 @@ class DecodeGraphRunner:
         g.fill(batch, prev_hidden)
         if g.plan is not None:  # benchmarks' path: reading the inputs back costs a sync
             g.plan.replan(g.page_table[:, :g.table_width].cpu(), g.seq_lens.cpu())
-        g.graph.replay()
-        self.replays += 1
+        self._replay((self.mtp, False), g.bs, g.graph)
         n = batch.num_tokens
         return g.hidden[:n], g.logits[:n]

@@ -8,11 +8,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.serving.rpc_convert import FINISH_FROM_PROTO, sampling_to_proto
 from pdserve.sampling import SamplingParams
@@ -136,6 +138,17 @@ class Stack:
 
     def stop(self) -> None:
         stop_all(self.all())
+
+
+def metric(port: int, name: str, **labels) -> float:
+    """The sum of a metric's samples with these labels on a server's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
 
 
 def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(), redis_url=None,

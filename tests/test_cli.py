@@ -250,6 +250,26 @@ def test_decode_pacing_takes_finite_milliseconds_from_the_command_line_or_the_en
     assert parse_args(build_parser(), [command], {variable: "12.5"}).min_step_interval_ms == 12.5
 
 
+def test_the_decode_gpu_share_takes_a_fraction_and_up_picks_a_third_when_the_workers_share_a_gpu():
+    from pdserve.cli import build_parser
+    from pdserve.cli.env import parse_args
+    from pdserve.cli.up import SHARED_GPU_DECODE_SHARE, decode_gpu_share
+
+    parser = build_parser()
+    assert parser.parse_args(["decode"]).gpu_share_while_prefilling == 1.0  # a worker on its own: no limit
+    assert parser.parse_args(["decode", "--gpu-share-while-prefilling", "0.25"]).gpu_share_while_prefilling == 0.25
+    up = parser.parse_args(["up"])
+    assert up.decode_gpu_share == "auto" and decode_gpu_share(up) == SHARED_GPU_DECODE_SHARE == 1 / 3
+    # nccl puts every worker on a GPU of its own: nothing to share
+    assert decode_gpu_share(parser.parse_args(["up", "--kv-transport", "nccl"])) == 1.0
+    assert decode_gpu_share(parser.parse_args(["up", "--decode-gpu-share", "0.5"])) == 0.5
+    assert decode_gpu_share(parse_args(build_parser(), ["up"], {"PDSERVE_DECODE_GPU_SHARE": "1"})) == 1.0
+    for command, flag in (("decode", "--gpu-share-while-prefilling"), ("up", "--decode-gpu-share")):
+        for bad in ("0", "1.5", "-0.2", "nan", "half"):
+            proc = pdserve(command, flag, bad)
+            assert proc.returncode == 2 and flag in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("servers_handler", [True, False])
 def test_a_caught_ctrl_c_inside_a_string_exec_still_exits_0_under_python_m(tmp_path, servers_handler):
     """The CI flake behind `pdserve up` exiting -2 on Ctrl-C: under `python -m`, CPython dies by SIGINT at the end

@@ -1,5 +1,6 @@
-"""Decode-step pacing (`pdserve decode --min-step-interval-ms`, DecodeWorker._hold): while prompts bound for a decode
-worker are still being prefilled, its steps start at most every interval; with none on their way they run back to
+"""Decode-step pacing (`pdserve decode --min-step-interval-ms / --gpu-share-while-prefilling`, DecodeWorker._hold,
+decode_service/pacing.py): while prompts bound for a decode worker are still being prefilled, its steps start at most
+every interval, and no sooner than their GPU time / share after the last; with none on their way they run back to
 back; commands (KV arriving, aborts) are never held; tokens stay the single-process engine's."""
 
 from __future__ import annotations
@@ -11,11 +12,44 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from decode_service.pacing import StepPacer
 from golden import GREEDY, PROMPTS
 from pdserve.serving.engine_loop import EngineLoop
-from stack import start_stack
-from test_first_contact import metric
+from stack import metric, start_stack
 from test_first_token import timed_chunks
+
+
+def test_the_pacer_waits_for_the_later_of_the_interval_and_the_gpu_time_over_the_share():
+    pacer = StepPacer(min_interval_s=0.020, gpu_share=1 / 3)
+    assert pacer.enabled and pacer.wait(now=5.0) < 0  # no step yet: at once
+    pacer.started(10.0)
+    pacer.launched(0.009)  # a 9 ms step at a third of the GPU: 27 ms from its start, later than the 20 ms interval
+    assert pacer.wait(10.0) == pytest.approx(0.027)
+    assert pacer.wait(10.020) == pytest.approx(0.007)
+    assert pacer.wait(10.030) < 0
+    pacer.started(11.0)
+    pacer.launched(0.003)  # a 3 ms step: 9 ms by the share, so the 20 ms interval decides
+    assert pacer.wait(11.0) == pytest.approx(0.020)
+    pacer.started(12.0)
+    pacer.launched(None)  # GPU time unknown (an eager step, a graph not timed yet): only the interval
+    assert pacer.wait(12.0) == pytest.approx(0.020)
+
+
+def test_at_a_share_of_one_the_gpu_time_holds_nothing_back():
+    """Under overlap scheduling the next step is launched while the last still runs: a share of 1 must not wait."""
+    pacer = StepPacer(gpu_share=1.0)
+    assert not pacer.enabled
+    pacer.started(1.0)
+    pacer.launched(0.007)
+    assert pacer.wait(1.001) <= 0
+    assert StepPacer(min_interval_s=0.0, gpu_share=0.5).enabled
+
+
+@pytest.mark.parametrize("kwargs", [{"gpu_share": 0.0}, {"gpu_share": 1.5}, {"gpu_share": float("nan")},
+                                    {"min_interval_s": -1.0}])
+def test_the_pacer_refuses_settings_that_mean_nothing(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        StepPacer(**kwargs)
 
 
 def test_a_held_engine_loop_spaces_its_steps_and_still_runs_commands_at_once():

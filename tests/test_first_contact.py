@@ -20,7 +20,6 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kv_cache import CacheConfig
@@ -29,7 +28,7 @@ from pdserve.serving.rpc_convert import sampling_to_proto
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import generate_pb2_grpc as gen_grpc
 
-from stack import REPO, free_port
+from stack import REPO, free_port, metric
 
 pytestmark = pytest.mark.slow
 PROMPT_IDS = [0, 5, 6, 7, 8, 9, 10, 11, 12]
@@ -113,16 +112,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def metric(port: int, name: str, **labels) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "measure what layer-wise streaming saves in TTFT)")
     ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
     serve.add_min_step_interval_arg(ug, "--decode-min-step-interval-ms")
+    ug.add_argument("--decode-gpu-share", type=serve.up_gpu_share, default="auto", metavar="auto|SHARE",
+                    help=serve.GPU_SHARE_HELP + f". auto (default): {up_command.SHARED_GPU_DECODE_SHARE:.2g} when "
+                    "the workers share one GPU (--device cuda, any transport but nccl), else 1 (no limit)")
     serve.add_stream_interval_arg(ug)
     serve.add_warmup_args(ug)
     up.set_defaults(func=up_command.cmd_up)

@@ -45,6 +45,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--kv-host", default=None, help="KV receiver address (default: --host)")
         g.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = a free one)")
         add_min_step_interval_arg(g, "--min-step-interval-ms")
+        add_gpu_share_arg(g)
     g.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
                    help="requests waiting here (prefill: for compute; decode: for their KV) before new ones get "
                         "RESOURCE_EXHAUSTED (default 256)")
@@ -73,6 +74,32 @@ def add_min_step_interval_arg(g, flag: str) -> None:
                         "step at most every MS milliseconds (default 0: back to back). On a GPU shared with the "
                         "prefill worker this trades inter-token latency for throughput: fewer, fuller decode steps "
                         "leave the prompts more of the GPU")
+
+
+def _share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (got {text})")
+    return share
+
+
+GPU_SHARE_HELP = ("while prompts bound for the decode worker are still being prefilled, keep its steps' own GPU "
+                  "time (their CUDA graphs', timed with CUDA events) to at most this share of the time: after a step "
+                  "of G ms the next starts no sooner than G / SHARE ms after it. For a GPU shared with the prefill "
+                  "worker: fewer, fuller decode steps leave the prompts more of it (more output tok/s, a shorter "
+                  "TTFT, a longer inter-token latency while prompts arrive)")
+
+
+def add_gpu_share_arg(g) -> None:
+    g.add_argument("--gpu-share-while-prefilling", type=_share, default=1.0, metavar="SHARE",
+                   dest="gpu_share_while_prefilling", help=GPU_SHARE_HELP + " (default 1: no limit)")
+
+
+def up_gpu_share(text: str) -> "float | str":
+    return text if text == "auto" else _share(text)
 
 
 def add_warmup_args(g) -> None:
@@ -246,6 +273,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                 max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                 security=security_from_args(args), warmup=not args.skip_warmup,
                                 min_step_interval_s=args.min_step_interval_ms / 1e3,
+                                gpu_share_while_prefilling=args.gpu_share_while_prefilling,
                                 test_hook_slow_first_forward_s=args.test_hook_slow_first_forward,
                                 test_hook_slow_kv_arrival_s=args.test_hook_slow_kv_arrival)
     worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics)

@@ -119,6 +119,20 @@ def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
     return [f"cuda:{k}" for k in range(need)]
 
 
+# --decode-gpu-share auto, when every worker shares one GPU: a decode step's GPU time is at most a third of the time
+# between steps while prompts wait (V3 slice on an H200, c=32: ~21 ms between 7 ms steps; the fixed 20 ms interval
+# gave 0.97 of the engine's output tok/s against 0.86 unpaced, benchmarks/results/README.md "Why pacing").
+SHARED_GPU_DECODE_SHARE = 1 / 3
+
+
+def decode_gpu_share(args: argparse.Namespace) -> float:
+    """--decode-gpu-share resolved. auto: the workers share one GPU unless nccl put each on its own; on the CPU the
+    share is moot (only CUDA graph replays are timed, and a CPU engine has none), so it needs no device check."""
+    if args.decode_gpu_share != "auto":
+        return args.decode_gpu_share
+    return 1.0 if args.kv_transport == "nccl" else SHARED_GPU_DECODE_SHARE
+
+
 def _die_with_parent(parent: int) -> None:
     """In a worker `up` starts, before it execs: Linux sends it SIGTERM when `up` dies, however it dies (SIGKILL
     included), so no worker outlives its stack holding ports and memory (Linux only: prctl PR_SET_PDEATHSIG)."""
@@ -209,6 +223,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     fixed_ports = frozenset(up_ports(args).values())
     up_start = time.monotonic()
     gpus = _gpu_per_worker(args)
+    decode_share = decode_gpu_share(args)
     procs: list[tuple[str, subprocess.Popen]] = []
     up_pid = os.getpid()
     worker_metrics: dict[str, Optional[int]] = {}
@@ -228,6 +243,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                     cmd.append("--no-kv-layerwise")
                 if role == "decode" and args.min_step_interval_ms:
                     cmd += ["--min-step-interval-ms", str(args.min_step_interval_ms)]
+                if role == "decode" and decode_share < 1:
+                    cmd += ["--gpu-share-while-prefilling", repr(decode_share)]
                 name = f"{role}:127.0.0.1:{port}"
                 if not args.no_metrics:
                     mport = args.metrics_port + 1 + k if args.metrics_port else 0
@@ -239,6 +256,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                                                        start_new_session=True)))
         _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ({args.device}); "
              "each loads the model, then runs its warm-up, then reports ready ...")
+        if decode_share < 1 and args.device != "cpu":
+            _say(f"while prompts are being prefilled, decode steps keep to {decode_share:.2g} of the GPU's time "
+                 "(--decode-gpu-share; 1 = back to back)")
         _wait_workers(procs, args.start_timeout, note_every_s=5.0)
         workers_ready = time.monotonic() - up_start
         router_args = argparse.Namespace(

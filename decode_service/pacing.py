@@ -1,0 +1,58 @@
+"""When a decode worker's next step may start while prompts bound for it are still being prefilled.
+
+On a GPU shared with the prefill worker the two processes time-share it. Back to back, the decode worker steps every
+few ms at whatever batch it holds; on a MoE model each step reads (nearly) every expert's weights whatever the batch,
+so a dozen rows cost almost what a full batch does, and the prompts wait. Spaced, each step carries more rows for
+about the same cost, the prompts get the GPU between steps, and both the output rate and time to first token gain,
+for a longer inter-token latency. (The engine alone makes the same trade: while it prefills a batch, its decoding
+rows get one token per prefill chunk.) With no prompt on its way there is nothing to make room for, and the steps
+run back to back; the caller asks only then.
+
+Two limits, the later one wins:
+- min_interval_s: a step starts at most this often (a fixed interval, right for one model and GPU);
+- gpu_share: a step's own GPU time is at most this share of the time until the next one starts, i.e. the next
+  waits gpu_seconds / gpu_share after this one's start. It follows the model: a full step of the V3 slice (7 ms on
+  an H200) waits ~21 ms at 1/3, the demo model's (well under 1 ms) a millisecond or two.
+  The decode worker charges a step at the GPU time it will take once the prompts on their way have joined the batch
+  (its graphs at (running + on their way) rows): those prompts are what the held-back time is for, and they arrive
+  in bursts. Charged at its current batch instead, a worker that holds a few rows while 30 prompts wait steps every
+  few ms at a small batch's cost, exactly the steps that pacing is there to spare (V3 slice, c=32: 0.88 of the
+  engine's output tok/s against 0.97 at a fixed 20 ms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class StepPacer:
+    min_interval_s: float = 0.0
+    gpu_share: float = 1.0  # 1: no limit from the GPU time
+    last_start: float = float("-inf")
+    last_gpu_s: float = 0.0  # the GPU time of the last step's launched work (0 when unknown)
+
+    def __post_init__(self) -> None:
+        if not self.min_interval_s >= 0:
+            raise ValueError(f"min_interval_s must be >= 0 (got {self.min_interval_s})")
+        if not 0 < self.gpu_share <= 1:
+            raise ValueError(f"gpu_share must be in (0, 1] (got {self.gpu_share})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_interval_s > 0 or self.gpu_share < 1
+
+    def started(self, now: float) -> None:
+        self.last_start = now
+
+    def launched(self, gpu_s: Optional[float]) -> None:
+        """The step that started last launched GPU work taking gpu_s seconds (None or 0: unknown, no wait)."""
+        self.last_gpu_s = gpu_s or 0.0
+
+    def wait(self, now: float) -> float:
+        """Seconds until the next step may start (<= 0: now)."""
+        # (At a share of 1 no wait: under overlap scheduling the next step is launched while this one runs.)
+        by_gpu = self.last_gpu_s / self.gpu_share if self.gpu_share < 1 else 0.0
+        spacing = max(self.min_interval_s, by_gpu)
+        return self.last_start + spacing - now

@@ -1,0 +1,67 @@
+"""The GPU time of CUDA graph replays, measured without ever waiting for the GPU.
+
+A decode worker that shares its GPU with a prefill worker paces its steps by their own GPU cost (DecodeWorker, its
+gpu_share_while_prefilling). The host cannot see that cost: a step's wall time on the host is its launch (the demo
+model's steps are host-bound) or, under overlap scheduling, mostly the previous step. Each replay is bracketed by a
+pair of CUDA events instead, read once the GPU has passed them.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Hashable
+
+import torch
+
+
+class ReplayClock:
+    """Per captured graph (a family: which runner and kind of graph; and its rows, the bucket), the fastest replay
+    seen, in seconds.
+
+    The fastest, not the latest: on a GPU time-sliced with another process a replay's two events also span the other
+    process's kernels that ran between them, so only the fastest replays show the graph's own cost. A key's first
+    replays may read high (a cold L2, clocks ramping up); they are superseded by the first fast one.
+
+    Engine thread only (it records on the current stream).
+    """
+
+    def __init__(self) -> None:
+        self.fastest_s: dict[tuple[Hashable, int], float] = {}  # (family, rows) -> seconds
+        self._in_flight: collections.deque = collections.deque()  # ((family, rows), start, end) in stream order
+        self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._launched: list[tuple[Hashable, int]] = []
+
+    def replay(self, family: Hashable, rows: int, graph: torch.cuda.CUDAGraph) -> None:
+        """graph.replay(), timed; the graph is family's with `rows` rows."""
+        self._collect()
+        start, end = self._spare.pop() if self._spare else (torch.cuda.Event(enable_timing=True),
+                                                             torch.cuda.Event(enable_timing=True))
+        start.record()
+        graph.replay()
+        end.record()
+        self._in_flight.append(((family, rows), start, end))
+        self._launched.append((family, rows))
+
+    def take_launched(self, scale: float = 1.0) -> float:
+        """The GPU seconds of the replays launched since the last call, each at its graph's fastest known time (none
+        known yet: 0). scale > 1: had each had `scale` times its rows, i.e. the same family's smallest timed graph
+        with at least that many (its largest timed one when none has as many)."""
+        self._collect()
+        seconds = sum(self._fastest_with(family, rows * scale) for family, rows in self._launched)
+        self._launched.clear()
+        return seconds
+
+    def _fastest_with(self, family: Hashable, rows: float) -> float:
+        timed = sorted((r, s) for (f, r), s in self.fastest_s.items() if f == family)
+        if not timed:
+            return 0.0
+        return next((s for r, s in timed if r >= rows), timed[-1][1])
+
+    def _collect(self) -> None:
+        # NOTE: Event.query() does not block; events complete in stream order, so the first pending one stops it.
+        while self._in_flight and self._in_flight[0][2].query():
+            key, start, end = self._in_flight.popleft()
+            seconds = start.elapsed_time(end) / 1e3
+            if seconds < self.fastest_s.get(key, float("inf")):
+                self.fastest_s[key] = seconds
+            self._spare.append((start, end))

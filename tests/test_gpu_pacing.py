@@ -1,0 +1,111 @@
+"""Pacing by GPU share, on a GPU: the replay clock reads a CUDA graph's own GPU time without a sync, and a decode
+worker with --gpu-share-while-prefilling spaces its steps by it while a prompt is on its way."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a GPU", allow_module_level=True)
+
+from golden import GREEDY, PROMPTS  # noqa: E402
+from pdserve.gpu_clock import ReplayClock  # noqa: E402
+from stack import metric, start_stack  # noqa: E402
+from test_first_token import timed_chunks  # noqa: E402
+
+
+_KEEP = []  # the captured graphs' inputs and outputs: a replay reads and writes their memory
+
+
+def _captured_matmuls(n: int, repeat: int) -> torch.cuda.CUDAGraph:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            a @ b
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    x = a
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            x = torch.tanh(x @ b)
+    _KEEP.extend((a, b, x))
+    return graph
+
+
+def test_the_replay_clock_reads_each_graph_s_own_gpu_time():
+    small, large = _captured_matmuls(2048, 4), _captured_matmuls(4096, 8)
+    synced = {}
+    for name, graph in (("small", small), ("large", large)):  # host-timed around a sync: the reference
+        times = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        synced[name] = statistics.median(times)
+    clock = ReplayClock()
+    for _ in range(10):
+        clock.replay("matmuls", 2048, small)
+        clock.replay("matmuls", 4096, large)
+    torch.cuda.synchronize()
+    assert clock.take_launched() == pytest.approx(10 * sum(clock.fastest_s.values()))
+    fastest = {name: clock.fastest_s[("matmuls", rows)] for name, rows in (("small", 2048), ("large", 4096))}
+    for name in ("small", "large"):
+        # The events bracket the kernels alone: no launch or sync overhead, so a little under the host's time.
+        assert 0.5 * synced[name] <= fastest[name] <= 1.05 * synced[name], (name, fastest, synced)
+    assert fastest["large"] > 4 * fastest["small"]  # 8x the flops and 2x the matmuls
+    for _ in range(3):
+        clock.replay("matmuls", 2048, small)
+    assert clock.take_launched() == pytest.approx(3 * clock.fastest_s[("matmuls", 2048)])
+    assert clock.take_launched() == 0.0  # taken
+    # Scaled: each replay charged as the family's smallest timed graph with that many rows (or its largest).
+    clock.replay("matmuls", 2048, small)
+    assert clock.take_launched(scale=1.5) == pytest.approx(clock.fastest_s[("matmuls", 4096)])
+    clock.replay("matmuls", 2048, small)
+    assert clock.take_launched(scale=4.0) == pytest.approx(clock.fastest_s[("matmuls", 4096)])
+    clock.replay("other", 2048, small)
+    assert clock.take_launched() == 0.0  # another family: nothing timed yet when it was launched
+
+
+@pytest.mark.slow
+def test_a_decode_worker_keeps_its_steps_to_its_gpu_share_while_a_prompt_is_on_its_way(tiny_v3_dir, tmp_path):
+    """As the CPU test of --min-step-interval-ms (test_decode_pacing.py), with the GPU share: request A decodes
+    alone (steps back to back), then B is reserved on the same decode worker with its KV held back 2 s; meanwhile A's
+    tokens come no sooner than the steps' GPU time / share (a tiny model's replay is ~0.1 ms: at 1/100, ~10 ms)."""
+    share, kv_delay_s = 0.01, 2.0
+    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cuda"],
+                        decode_args=["--gpu-share-while-prefilling", str(share),
+                                     "--test-hook-slow-kv-arrival", str(kv_delay_s)])
+    long = dataclasses.replace(GREEDY, max_new_tokens=1500)  # still decoding when B's KV arrives
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a_sent = time.monotonic()
+            a = pool.submit(timed_chunks, stack.router.address, PROMPTS[0], long)
+            time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
+            b_sent = time.monotonic()
+            b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
+            a_chunks, a_ids = a.result(timeout=120)
+            _, b_ids = b.result(timeout=120)
+        held_s = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
+    finally:
+        stack.stop()
+    assert len(a_ids) == 1500 and len(b_ids) == GREEDY.max_new_tokens
+    times = [a_sent + t for t, _, _ in a_chunks]
+    b_first_kv = b_sent + kv_delay_s
+    alone = [y - x for x, y in zip(times, times[1:]) if x > times[1] and y < b_sent]
+    held = [y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_first_kv - 0.1]
+    assert len(alone) >= 10 and len(held) >= 10, (len(alone), len(held))
+    assert statistics.median(held) >= 3 * statistics.median(alone), (statistics.median(alone), held[:20])
+    assert held_s >= kv_delay_s / 4, held_s  # the worker's metric counts the time it held its steps back
