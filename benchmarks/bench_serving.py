@@ -178,7 +178,9 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> Non
             log(f"{name}: c={c}: {r['completed']}/{n} ok, {r['failed']} failed {r['errors_by_status'] or ''}, "
                 f"{r['output_token_throughput']:.0f} out tok/s, {r['input_token_throughput']:.0f} in tok/s, "
                 f"TTFT p50 {_ms(r['ttft']['median_ms'])}, ITL {_ms(r['itl']['mean_ms'])}, TPOT "
-                f"{_ms(r['tpot']['mean_ms'])} ({time.monotonic() - t:.1f} s)")
+                f"{_ms(r['tpot']['mean_ms'])}" + (f", decode graph replays {r['replay_stretch']:.2f}x their fastest"
+                                                   if r.get("replay_stretch") else "")
+                + f" ({time.monotonic() - t:.1f} s)")
         c = args.prompts_only_concurrency
         if c:
             path = os.path.join(out, "bench_prompts_only.json")
@@ -202,8 +204,9 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save) -> Non
 
 
 # The workers' histograms read around each run (benchmarks/stage_times.py): the KV transfer time per request (the
-# prefill worker's: from its answer to the decode worker's confirmation) and NextN's tokens per verification row.
-WORKER_SERIES = ("pdserve_kv_transfer_seconds", "pdserve_spec_accept_length")
+# prefill worker's: from its answer to the decode worker's confirmation), NextN's tokens per verification row, and
+# how stretched the decode worker's graph replays were by the GPU's other process (when it paces by GPU share).
+WORKER_SERIES = ("pdserve_kv_transfer_seconds", "pdserve_spec_accept_length", "pdserve_decode_replay_stretch")
 
 
 def worker_stats(up_log: str) -> Optional[dict]:
@@ -218,8 +221,8 @@ def worker_stats(up_log: str) -> Optional[dict]:
 
 
 def stats_since(before: Optional[dict], after: Optional[dict]) -> dict:
-    """{"transfer_ms": mean KV transfer time, "accept_length": NextN tokens per verification row} over a run
-    (None where not measured)."""
+    """{"transfer_ms": mean KV transfer time, "accept_length": NextN tokens per verification row, "replay_stretch":
+    mean decode graph replay time over its fastest} over a run (None where not measured)."""
     from benchmarks.stage_times import interval_means
 
     means = interval_means(before, after) if before is not None and after is not None else {}
@@ -230,7 +233,8 @@ def stats_since(before: Optional[dict], after: Optional[dict]) -> dict:
 
     transfer = mean_of("pdserve_kv_transfer_seconds")
     return {"transfer_ms": None if transfer is None else 1e3 * transfer,
-            "accept_length": mean_of("pdserve_spec_accept_length")}
+            "accept_length": mean_of("pdserve_spec_accept_length"),
+            "replay_stretch": mean_of("pdserve_decode_replay_stretch")}
 
 
 PROMPTS_ONLY_SEED = 100  # the prompts-only run's prompts, the same on both sides (none shared with the other runs)

@@ -8,11 +8,12 @@ for a longer inter-token latency. (The engine alone makes the same trade: while 
 rows get one token per prefill chunk.) With no prompt on its way there is nothing to make room for, and the steps
 run back to back; the caller asks only then.
 
-Two limits, the later one wins:
+Two limits, the later one wins (the second only while the GPU is contended, CONTENDED_STRETCH):
 - min_interval_s: a step starts at most this often (a fixed interval, right for one model and GPU);
 - gpu_share: a step's own GPU time is at most this share of the time until the next one starts, i.e. the next
   waits gpu_seconds / gpu_share after this one's start. It follows the model: a full step of the V3 slice (7 ms on
-  an H200) waits ~21 ms at 1/3, the demo model's (well under 1 ms) a millisecond or two.
+  an H200) waits ~21 ms at 1/3. The demo model's would wait a millisecond or two, but its prefill worker is
+  host-bound and leaves the GPU free most of the time: its replays run unstretched, and its steps are not held.
   The decode worker charges a step at the GPU time it will take once the prompts on their way have joined the batch
   (its graphs at (running + on their way) rows): those prompts are what the held-back time is for, and they arrive
   in bursts. Charged at its current batch instead, a worker that holds a few rows while 30 prompts wait steps every
@@ -22,8 +23,17 @@ Two limits, the later one wins:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import collections
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+# The share holds steps back only while the GPU is contended: while the decode worker's graph replays take at least
+# this much longer than their fastest (their CUDA events then span the other process's kernels too). Held back on a
+# GPU the prefill worker leaves idle (its forward host-bound, as the demo model's is), a step gives nothing to the
+# prompts and costs inter-token latency. H200, c=32 and 128, mean over a run: the V3 slice 1.52-1.87 (paced or not),
+# the demo model 1.05-1.15 (plain and NextN).
+CONTENDED_STRETCH = 1.25
+STRETCH_WINDOW = 32  # replays
 
 
 @dataclass
@@ -32,6 +42,7 @@ class StepPacer:
     gpu_share: float = 1.0  # 1: no limit from the GPU time
     last_start: float = float("-inf")
     last_gpu_s: float = 0.0  # the GPU time of the last step's launched work (0 when unknown)
+    stretches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STRETCH_WINDOW))
 
     def __post_init__(self) -> None:
         if not self.min_interval_s >= 0:
@@ -50,9 +61,18 @@ class StepPacer:
         """The step that started last launched GPU work taking gpu_s seconds (None or 0: unknown, no wait)."""
         self.last_gpu_s = gpu_s or 0.0
 
+    def replays_stretched(self, stretches: Iterable[float]) -> None:
+        """Completed graph replays' times over their fastest (ReplayClock.take_stretches)."""
+        self.stretches.extend(stretches)
+
+    @property
+    def contended(self) -> bool:
+        """Whether the GPU is busy with another process's work too: the recent replays' mean stretch."""
+        return bool(self.stretches) and sum(self.stretches) / len(self.stretches) >= CONTENDED_STRETCH
+
     def wait(self, now: float) -> float:
         """Seconds until the next step may start (<= 0: now)."""
         # (At a share of 1 no wait: under overlap scheduling the next step is launched while this one runs.)
-        by_gpu = self.last_gpu_s / self.gpu_share if self.gpu_share < 1 else 0.0
+        by_gpu = self.last_gpu_s / self.gpu_share if self.gpu_share < 1 and self.contended else 0.0
         spacing = max(self.min_interval_s, by_gpu)
         return self.last_start + spacing - now

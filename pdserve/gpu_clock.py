@@ -30,6 +30,7 @@ class ReplayClock:
         self._in_flight: collections.deque = collections.deque()  # ((family, rows), start, end) in stream order
         self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._launched: list[tuple[Hashable, int]] = []
+        self._stretches: list[float] = []  # each completed replay's time / its graph's fastest (take_stretches)
 
     def replay(self, family: Hashable, rows: int, graph: torch.cuda.CUDAGraph) -> None:
         """graph.replay(), timed; the graph is family's with `rows` rows."""
@@ -51,6 +52,13 @@ class ReplayClock:
         self._launched.clear()
         return seconds
 
+    def take_stretches(self) -> list[float]:
+        """For each replay completed since the last call: its time over its graph's fastest. Near 1: the GPU ran it
+        alone; above: another process's kernels ran between its two events (a GPU shared with a busy prefill)."""
+        self._collect()
+        stretches, self._stretches = self._stretches, []
+        return stretches
+
     def _fastest_with(self, family: Hashable, rows: float) -> float:
         timed = sorted((r, s) for (f, r), s in self.fastest_s.items() if f == family)
         if not timed:
@@ -64,4 +72,5 @@ class ReplayClock:
             seconds = start.elapsed_time(end) / 1e3
             if seconds < self.fastest_s.get(key, float("inf")):
                 self.fastest_s[key] = seconds
+            self._stretches.append(seconds / self.fastest_s[key])
             self._spare.append((start, end))

@@ -89,7 +89,7 @@ def test_the_ttft_target_allows_the_kv_transfer_measured_in_the_same_run():
              'pdserve_spec_accept_length_count{role="decode"}': 20.0}
     stats = stats_since(before, after)
     assert stats["transfer_ms"] == pytest.approx(3.0) and stats["accept_length"] == pytest.approx(3.0)
-    assert stats_since(None, after) == {"transfer_ms": None, "accept_length": None}
+    assert stats_since(None, after) == {"transfer_ms": None, "accept_length": None, "replay_stretch": None}
 
     run = {"concurrency": 1, "num_prompts": 8, "failed": 0, "output_token_throughput": 900.0,
            "tpot": {"mean_ms": 1.0}, "itl": {"mean_ms": 1.0}, "ttft": {"median_ms": 34.0},

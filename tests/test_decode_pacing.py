@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from decode_service.pacing import StepPacer
+from decode_service.pacing import STRETCH_WINDOW, StepPacer
 from golden import GREEDY, PROMPTS
 from pdserve.serving.engine_loop import EngineLoop
 from stack import metric, start_stack
@@ -21,6 +21,8 @@ from test_first_token import timed_chunks
 
 def test_the_pacer_waits_for_the_later_of_the_interval_and_the_gpu_time_over_the_share():
     pacer = StepPacer(min_interval_s=0.020, gpu_share=1 / 3)
+    pacer.replays_stretched([1.6, 1.8])  # the GPU is contended: the other process's kernels stretch the replays
+    assert pacer.contended
     assert pacer.enabled and pacer.wait(now=5.0) < 0  # no step yet: at once
     pacer.started(10.0)
     pacer.launched(0.009)  # a 9 ms step at a third of the GPU: 27 ms from its start, later than the 20 ms interval
@@ -33,6 +35,25 @@ def test_the_pacer_waits_for_the_later_of_the_interval_and_the_gpu_time_over_the
     pacer.started(12.0)
     pacer.launched(None)  # GPU time unknown (an eager step, a graph not timed yet): only the interval
     assert pacer.wait(12.0) == pytest.approx(0.020)
+
+
+def test_the_gpu_share_holds_nothing_back_while_the_gpu_is_not_contended():
+    """Replays that run as fast as they ever did: the other process leaves the GPU idle (a host-bound prefill), so
+    a held step would give it nothing. The fixed interval still applies; the window follows the recent replays."""
+    pacer = StepPacer(gpu_share=1 / 3)
+    pacer.started(1.0)
+    pacer.launched(0.009)
+    assert not pacer.contended and pacer.wait(1.0) <= 0  # no replay timed yet
+    pacer.replays_stretched([1.05, 1.1, 1.02] * 10)  # as fast as ever: the GPU is theirs
+    assert not pacer.contended and pacer.wait(1.0) <= 0
+    pacer.replays_stretched([1.9] * 20)  # the prefill worker got busy: the last 32 replays' mean is above 1.25
+    assert pacer.contended and pacer.wait(1.0) == pytest.approx(0.027)
+    pacer.replays_stretched([1.0] * STRETCH_WINDOW)  # and idle again
+    assert not pacer.contended and pacer.wait(1.0) <= 0
+    fixed = StepPacer(min_interval_s=0.02, gpu_share=1 / 3)
+    fixed.started(1.0)
+    fixed.launched(0.009)
+    assert fixed.wait(1.0) == pytest.approx(0.02)  # an interval asked for is kept, contended or not
 
 
 def test_at_a_share_of_one_the_gpu_time_holds_nothing_back():

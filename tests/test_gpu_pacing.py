@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,6 +68,9 @@ def test_the_replay_clock_reads_each_graph_s_own_gpu_time():
         # The events bracket the kernels alone: no launch or sync overhead, so a little under the host's time.
         assert 0.5 * synced[name] <= fastest[name] <= 1.05 * synced[name], (name, fastest, synced)
     assert fastest["large"] > 4 * fastest["small"]  # 8x the flops and 2x the matmuls
+    stretches = clock.take_stretches()  # each replay over its graph's fastest: >= 1, and near 1 with the GPU alone
+    assert len(stretches) == 20 and min(stretches) >= 1.0 and statistics.median(stretches) < 1.2, stretches
+    assert clock.take_stretches() == []
     for _ in range(3):
         clock.replay("matmuls", 2048, small)
     assert clock.take_launched() == pytest.approx(3 * clock.fastest_s[("matmuls", 2048)])
@@ -79,33 +84,65 @@ def test_the_replay_clock_reads_each_graph_s_own_gpu_time():
     assert clock.take_launched() == 0.0  # another family: nothing timed yet when it was launched
 
 
-@pytest.mark.slow
-def test_a_decode_worker_keeps_its_steps_to_its_gpu_share_while_a_prompt_is_on_its_way(tiny_v3_dir, tmp_path):
-    """As the CPU test of --min-step-interval-ms (test_decode_pacing.py), with the GPU share: request A decodes
-    alone (steps back to back), then B is reserved on the same decode worker with its KV held back 2 s; meanwhile A's
-    tokens come no sooner than the steps' GPU time / share (a tiny model's replay is ~0.1 ms: at 1/100, ~10 ms)."""
-    share, kv_delay_s = 0.01, 2.0
-    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cuda"],
-                        decode_args=["--gpu-share-while-prefilling", str(share),
-                                     "--test-hook-slow-kv-arrival", str(kv_delay_s)])
-    long = dataclasses.replace(GREEDY, max_new_tokens=1500)  # still decoding when B's KV arrives
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            a_sent = time.monotonic()
-            a = pool.submit(timed_chunks, stack.router.address, PROMPTS[0], long)
-            time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
-            b_sent = time.monotonic()
-            b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
-            a_chunks, a_ids = a.result(timeout=120)
-            _, b_ids = b.result(timeout=120)
-        held_s = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
-    finally:
-        stack.stop()
-    assert len(a_ids) == 1500 and len(b_ids) == GREEDY.max_new_tokens
+# Another process keeping the GPU busy, as a prefill worker running 2048-token chunks of a large model does.
+GPU_HOG = """
+import sys, torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+print("busy", flush=True)
+while True:
+    for _ in range(50):
+        b = a @ a
+    torch.cuda.synchronize()
+"""
+
+
+def _held_gaps(stack, prompt_a: int, prompt_b: int, kv_delay_s: float) -> tuple[list[float], list[float], float]:
+    """Request A decodes alone a while, then B is reserved on the same decode worker with its KV held back kv_delay_s:
+    A's gaps between tokens before B, and while B is on its way; and the seconds the worker held its steps back."""
+    long = dataclasses.replace(GREEDY, max_new_tokens=1800)  # still decoding when B's KV arrives
+    held_before = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
+    with ThreadPoolExecutor(2) as pool:
+        a_sent = time.monotonic()
+        a = pool.submit(timed_chunks, stack.router.address, PROMPTS[prompt_a], long)
+        time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
+        b_sent = time.monotonic()
+        b = pool.submit(timed_chunks, stack.router.address, PROMPTS[prompt_b], GREEDY)
+        a_chunks, a_ids = a.result(timeout=120)
+        _, b_ids = b.result(timeout=120)
+    assert len(a_ids) == 1800 and len(b_ids) == GREEDY.max_new_tokens
     times = [a_sent + t for t, _, _ in a_chunks]
     b_first_kv = b_sent + kv_delay_s
     alone = [y - x for x, y in zip(times, times[1:]) if x > times[1] and y < b_sent]
     held = [y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_first_kv - 0.1]
     assert len(alone) >= 10 and len(held) >= 10, (len(alone), len(held))
+    return alone, held, metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total") - held_before
+
+
+@pytest.mark.slow
+def test_a_decode_worker_keeps_to_its_gpu_share_while_a_prompt_is_on_its_way_and_the_gpu_is_contended(tiny_v3_dir,
+                                                                                                      tmp_path):
+    """As the CPU test of --min-step-interval-ms (test_decode_pacing.py), with the GPU share. With the GPU to itself
+    the decode worker's replays run at their fastest: a prompt on its way holds nothing back. With another process
+    keeping the GPU busy (stretching the replays) its steps come no sooner than their GPU time / share (a tiny
+    model's replay is ~0.1 ms: at 1/200, ~20 ms)."""
+    share, kv_delay_s = 0.005, 2.0
+    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cuda"],
+                        decode_args=["--gpu-share-while-prefilling", str(share),
+                                     "--test-hook-slow-kv-arrival", str(kv_delay_s)])
+    hog = None
+    try:
+        alone, held, held_s = _held_gaps(stack, 0, 2, kv_delay_s)
+        assert statistics.median(held) < 2 * statistics.median(alone) and held_s < 0.2, (alone[:20], held[:20])
+        hog = subprocess.Popen([sys.executable, "-c", GPU_HOG], stdout=subprocess.PIPE, text=True)
+        assert hog.stdout.readline().strip() == "busy"
+        alone, held, held_s = _held_gaps(stack, 1, 3, kv_delay_s)
+        stretch = metric(stack.decode[0].metrics_port, "pdserve_decode_replay_stretch_sum") / metric(
+            stack.decode[0].metrics_port, "pdserve_decode_replay_stretch_count")
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        stack.stop()
     assert statistics.median(held) >= 3 * statistics.median(alone), (statistics.median(alone), held[:20])
     assert held_s >= kv_delay_s / 4, held_s  # the worker's metric counts the time it held its steps back
+    assert stretch > 1.0, stretch

@@ -15,6 +15,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # tokens per verification row (accepted drafts + 1)
+STRETCH_BUCKETS = (1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)  # a replay's time over its graph's fastest
 SPEC_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -42,6 +43,7 @@ class Metrics:
     spec_draft_seconds: Histogram  # per round: the MTP draft chain and the draft extend
     spec_verify_seconds: Histogram  # per round: the target's verification forward and acceptance
     step_hold_seconds: Counter  # decode: time its steps waited for pacing (--min-step-interval-ms)
+    replay_stretch: Histogram  # decode, when pacing by GPU share: each graph replay's time / its fastest
 
     @classmethod
     def create(cls, role: str) -> "Metrics":
@@ -95,6 +97,10 @@ class Metrics:
             step_hold_seconds=counter("pdserve_decode_step_hold_seconds",
                                       "Decode worker: time its steps were held back by pacing while prompts bound "
                                       "for it were prefilled (--min-step-interval-ms)"),
+            replay_stretch=hist("pdserve_decode_replay_stretch",
+                                "Decode worker pacing by GPU share: each CUDA graph replay's GPU time over its "
+                                "graph's fastest (near 1: the GPU ran it alone; above: another process's kernels "
+                                "ran in between)", STRETCH_BUCKETS),
         )
         m._role = role  # type: ignore[attr-defined]
         return m
