@@ -157,10 +157,10 @@ class DecodeWorker:
         outputs = self.engine.step()
         if self.clock is not None:  # charged as the step it will be once the prompts on their way have joined
             self.pacer.launched(self.clock.take_launched(scale=(rows + len(self.engine.pending)) / max(rows, 1)))
-            stretches = self.clock.take_stretches()
-            self.pacer.replays_stretched(stretches)
-            for stretch in stretches:
-                self.metrics.replay_stretch.observe(stretch)
+            replays = self.clock.take_completed()
+            self.pacer.replays_completed(replays)
+            for seconds, fastest in replays:
+                self.metrics.replay_stretch.observe(seconds / fastest)
         if outputs:  # one hand-off to the event loop per step, not one per request
             self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)
         self._update_gauges()

@@ -30,7 +30,7 @@ class ReplayClock:
         self._in_flight: collections.deque = collections.deque()  # ((family, rows), start, end) in stream order
         self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._launched: list[tuple[Hashable, int]] = []
-        self._stretches: list[float] = []  # each completed replay's time / its graph's fastest (take_stretches)
+        self._completed: list[tuple[float, float]] = []  # (seconds, its graph's fastest) of replays completed
 
     def replay(self, family: Hashable, rows: int, graph: torch.cuda.CUDAGraph) -> None:
         """graph.replay(), timed; the graph is family's with `rows` rows."""
@@ -52,12 +52,13 @@ class ReplayClock:
         self._launched.clear()
         return seconds
 
-    def take_stretches(self) -> list[float]:
-        """For each replay completed since the last call: its time over its graph's fastest. Near 1: the GPU ran it
-        alone; above: another process's kernels ran between its two events (a GPU shared with a busy prefill)."""
+    def take_completed(self) -> list[tuple[float, float]]:
+        """(seconds, its graph's fastest seconds) of each replay completed since the last call. Above the fastest:
+        another process's kernels ran between its two events (a GPU shared with a busy prefill worker), or the
+        GPU reached the start event before the host had submitted the graph (a small graph on an idle stream)."""
         self._collect()
-        stretches, self._stretches = self._stretches, []
-        return stretches
+        completed, self._completed = self._completed, []
+        return completed
 
     def _fastest_with(self, family: Hashable, rows: float) -> float:
         timed = sorted((r, s) for (f, r), s in self.fastest_s.items() if f == family)
@@ -72,5 +73,5 @@ class ReplayClock:
             seconds = start.elapsed_time(end) / 1e3
             if seconds < self.fastest_s.get(key, float("inf")):
                 self.fastest_s[key] = seconds
-            self._stretches.append(seconds / self.fastest_s[key])
+            self._completed.append((seconds, self.fastest_s[key]))
             self._spare.append((start, end))

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from decode_service.pacing import STRETCH_WINDOW, StepPacer
+from decode_service.pacing import REPLAY_WINDOW, StepPacer
 from golden import GREEDY, PROMPTS
 from pdserve.serving.engine_loop import EngineLoop
 from stack import metric, start_stack
@@ -21,7 +21,7 @@ from test_first_token import timed_chunks
 
 def test_the_pacer_waits_for_the_later_of_the_interval_and_the_gpu_time_over_the_share():
     pacer = StepPacer(min_interval_s=0.020, gpu_share=1 / 3)
-    pacer.replays_stretched([1.6, 1.8])  # the GPU is contended: the other process's kernels stretch the replays
+    pacer.replays_completed([(0.009, 0.006), (0.011, 0.006)])  # contended: the other process's kernels ran inside
     assert pacer.contended
     assert pacer.enabled and pacer.wait(now=5.0) < 0  # no step yet: at once
     pacer.started(10.0)
@@ -44,11 +44,12 @@ def test_the_gpu_share_holds_nothing_back_while_the_gpu_is_not_contended():
     pacer.started(1.0)
     pacer.launched(0.009)
     assert not pacer.contended and pacer.wait(1.0) <= 0  # no replay timed yet
-    pacer.replays_stretched([1.05, 1.1, 1.02] * 10)  # as fast as ever: the GPU is theirs
+    # As fast as ever, give or take a small graph's launch on an idle stream (0.2 ms on a 0.2 ms replay: 2x).
+    pacer.replays_completed([(0.0062, 0.006), (0.0004, 0.0002), (0.0061, 0.006)] * 10)
     assert not pacer.contended and pacer.wait(1.0) <= 0
-    pacer.replays_stretched([1.9] * 20)  # the prefill worker got busy: the last 32 replays' mean is above 1.25
+    pacer.replays_completed([(0.011, 0.006)] * 20)  # the prefill got busy: the last 32 replays 3.2 ms over on average
     assert pacer.contended and pacer.wait(1.0) == pytest.approx(0.027)
-    pacer.replays_stretched([1.0] * STRETCH_WINDOW)  # and idle again
+    pacer.replays_completed([(0.006, 0.006)] * REPLAY_WINDOW)  # and idle again
     assert not pacer.contended and pacer.wait(1.0) <= 0
     fixed = StepPacer(min_interval_s=0.02, gpu_share=1 / 3)
     fixed.started(1.0)
