@@ -8,7 +8,7 @@ for a longer inter-token latency. (The engine alone makes the same trade: while 
 rows get one token per prefill chunk.) With no prompt on its way there is nothing to make room for, and the steps
 run back to back; the caller asks only then.
 
-Two limits, the later one wins (the second only while the GPU is contended, CONTENDED_EXCESS_S):
+Two limits, the later one wins (the second only while the GPU is contended, CONTENDED_*):
 - min_interval_s: a step starts at most this often (a fixed interval, right for one model and GPU);
 - gpu_share: a step's own GPU time is at most this share of the time until the next one starts, i.e. the next
   waits gpu_seconds / gpu_share after this one's start. It follows the model: a full step of the V3 slice (7 ms on
@@ -27,14 +27,18 @@ import collections
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-# The share holds steps back only while the GPU is contended: while the decode worker's graph replays take, on
-# average, at least this much longer than their fastest: their CUDA events then span the other process's kernels too
-# (the GPU time-slices between processes, in slices of a millisecond or more). Held back on a GPU the prefill worker
-# leaves idle (its forward host-bound, as the demo model's is), a step gives nothing to the prompts and costs
-# inter-token latency. In seconds rather than as a ratio: a small graph launched onto an idle stream reads a little
-# long (the GPU passes its start event before the host has submitted the graph), by tens of microseconds. H200, mean
-# over a run at c=32 and 128, ratio to the fastest: the V3 slice 1.52-1.87 (steps of 4-7 ms: 2-5 ms over), the demo
-# model 1.05-1.15 (steps of well under 1 ms).
+# The share holds steps back only while the GPU is contended: while the decode worker's recent graph replays took at
+# least CONTENDED_STRETCH times their fastest and CONTENDED_EXCESS_S more, on average. Their CUDA events then span
+# the other process's kernels too (the GPU time-slices between processes, in slices of a millisecond or more). Held
+# back on a GPU the prefill worker leaves idle (its forward host-bound, as the demo model's is), a step gives nothing
+# to the prompts and costs inter-token latency. Both limits, because neither alone tells contention apart:
+# - a small graph launched onto an idle stream reads long (the GPU passes its start event before the host has
+#   submitted the graph) by tens of microseconds: 2x a tiny model's 0.1 ms replay;
+# - under sustained load the GPU's clocks come down from the boost that its fastest replays ran at: an H200 ran a
+#   4.4 ms graph 0.65 ms (15%) slower after its first few replays, with nothing else on it.
+# H200, mean over a run at c=32 and 128 (ratio to the fastest): the V3 slice 1.52-1.87 (steps of 4-7 ms: 2-5 ms
+# over), the demo model 1.05-1.25 (steps well under 1 ms); a 4.4 ms graph beside another busy process: 8 ms over.
+CONTENDED_STRETCH = 1.25
 CONTENDED_EXCESS_S = 0.5e-3
 REPLAY_WINDOW = 32  # replays
 
@@ -45,7 +49,7 @@ class StepPacer:
     gpu_share: float = 1.0  # 1: no limit from the GPU time
     last_start: float = float("-inf")
     last_gpu_s: float = 0.0  # the GPU time of the last step's launched work (0 when unknown)
-    excess_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=REPLAY_WINDOW))
+    replays: collections.deque = field(default_factory=lambda: collections.deque(maxlen=REPLAY_WINDOW))
 
     def __post_init__(self) -> None:
         if not self.min_interval_s >= 0:
@@ -66,13 +70,17 @@ class StepPacer:
 
     def replays_completed(self, replays: Iterable[tuple[float, float]]) -> None:
         """(seconds, fastest seconds) of completed graph replays (ReplayClock.take_completed)."""
-        self.excess_s.extend(seconds - fastest for seconds, fastest in replays)
+        self.replays.extend(replays)
 
     @property
     def contended(self) -> bool:
-        """Whether the GPU is busy with another process's work too: the recent replays' mean time over their
-        fastest."""
-        return bool(self.excess_s) and sum(self.excess_s) / len(self.excess_s) >= CONTENDED_EXCESS_S
+        """Whether the GPU is busy with another process's work too, by the recent replays (CONTENDED_*)."""
+        if not self.replays:
+            return False
+        seconds = sum(s for s, _ in self.replays)
+        fastest = sum(f for _, f in self.replays)
+        return (seconds >= CONTENDED_STRETCH * fastest
+                and seconds - fastest >= CONTENDED_EXCESS_S * len(self.replays))
 
     def wait(self, now: float) -> float:
         """Seconds until the next step may start (<= 0: now)."""

@@ -51,6 +51,8 @@ def test_the_gpu_share_holds_nothing_back_while_the_gpu_is_not_contended():
     assert pacer.contended and pacer.wait(1.0) == pytest.approx(0.027)
     pacer.replays_completed([(0.006, 0.006)] * REPLAY_WINDOW)  # and idle again
     assert not pacer.contended and pacer.wait(1.0) <= 0
+    pacer.replays_completed([(0.0069, 0.006)] * REPLAY_WINDOW)  # 0.9 ms over, but 15%: clocks down from boost
+    assert not pacer.contended and pacer.wait(1.0) <= 0
     fixed = StepPacer(min_interval_s=0.02, gpu_share=1 / 3)
     fixed.started(1.0)
     fixed.launched(0.009)

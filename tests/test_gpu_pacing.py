@@ -1,5 +1,7 @@
-"""Pacing by GPU share, on a GPU: the replay clock reads a CUDA graph's own GPU time without a sync, and a decode
-worker with --gpu-share-while-prefilling spaces its steps by it while a prompt is on its way."""
+"""Pacing by GPU share, on a GPU: the replay clock reads a CUDA graph's own GPU time without a sync and sees another
+process busy on the GPU; a decode worker with --gpu-share-while-prefilling and the GPU to itself holds nothing back.
+(That it holds its steps back on a contended GPU is the serving benchmark's V3-slice rows: ITL and output tok/s with
+and without --decode-gpu-share, benchmarks/results/README.md.)"""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 
 from golden import GREEDY, PROMPTS  # noqa: E402
+from decode_service.pacing import REPLAY_WINDOW, StepPacer  # noqa: E402
 from pdserve.gpu_clock import ReplayClock  # noqa: E402
 from stack import metric, start_stack  # noqa: E402
 from test_first_token import timed_chunks  # noqa: E402
@@ -87,8 +90,10 @@ def test_the_replay_clock_reads_each_graph_s_own_gpu_time():
 
 # Another process keeping the GPU busy, as a prefill worker running 2048-token chunks of a large model does.
 GPU_HOG = """
-import sys, torch
+import torch
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+a @ a
+torch.cuda.synchronize()
 print("busy", flush=True)
 while True:
     for _ in range(50):
@@ -97,53 +102,62 @@ while True:
 """
 
 
-def _held_gaps(stack, prompt_a: int, prompt_b: int, kv_delay_s: float) -> tuple[list[float], list[float], float]:
-    """Request A decodes alone a while, then B is reserved on the same decode worker with its KV held back kv_delay_s:
-    A's gaps between tokens before B, and while B is on its way; and the seconds the worker held its steps back."""
-    long = dataclasses.replace(GREEDY, max_new_tokens=1800)  # still decoding when B's KV arrives
-    held_before = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
-    with ThreadPoolExecutor(2) as pool:
-        a_sent = time.monotonic()
-        a = pool.submit(timed_chunks, stack.router.address, PROMPTS[prompt_a], long)
-        time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
-        b_sent = time.monotonic()
-        b = pool.submit(timed_chunks, stack.router.address, PROMPTS[prompt_b], GREEDY)
-        a_chunks, a_ids = a.result(timeout=120)
-        _, b_ids = b.result(timeout=120)
-    assert len(a_ids) == 1800 and len(b_ids) == GREEDY.max_new_tokens
-    times = [a_sent + t for t, _, _ in a_chunks]
-    b_first_kv = b_sent + kv_delay_s
-    alone = [y - x for x, y in zip(times, times[1:]) if x > times[1] and y < b_sent]
-    held = [y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_first_kv - 0.1]
-    assert len(alone) >= 10 and len(held) >= 10, (len(alone), len(held))
-    return alone, held, metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total") - held_before
+def _replays(clock: ReplayClock, graph: torch.cuda.CUDAGraph, n: int) -> list[tuple[float, float]]:
+    for _ in range(n):
+        clock.replay("matmuls", 8192, graph)
+        time.sleep(0.002)  # as decode steps come: the stream idles between replays
+    torch.cuda.synchronize()
+    return clock.take_completed()
+
+
+def test_the_replay_clock_sees_another_process_keeping_the_gpu_busy():
+    """A graph of a few ms (a V3-slice decode step is 2-7 ms) runs at about its own speed alone (after a few
+    replays, 15% slower on an H200: its clocks come down from their boost); with another process busy on the GPU,
+    that process's time slices run inside the replays' events, and the pacer calls the GPU contended."""
+    graph = _captured_matmuls(8192, 4)  # ~4 x 1.1 TFLOP
+    clock = ReplayClock()
+    _replays(clock, graph, 5)  # its fastest, alone
+    alone, busy = StepPacer(gpu_share=1 / 3), StepPacer(gpu_share=1 / 3)
+    alone.replays_completed(_replays(clock, graph, REPLAY_WINDOW))
+    hog = subprocess.Popen([sys.executable, "-c", GPU_HOG], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().strip() == "busy"
+        busy.replays_completed(_replays(clock, graph, REPLAY_WINDOW))
+    finally:
+        hog.kill()
+        hog.wait()
+    means = {name: [sum(x) / len(p.replays) for x in zip(*p.replays)] for name, p in (("alone", alone), ("busy", busy))}
+    assert not alone.contended and busy.contended, means  # (mean seconds, mean fastest) of each
 
 
 @pytest.mark.slow
-def test_a_decode_worker_keeps_to_its_gpu_share_while_a_prompt_is_on_its_way_and_the_gpu_is_contended(tiny_v3_dir,
-                                                                                                      tmp_path):
-    """As the CPU test of --min-step-interval-ms (test_decode_pacing.py), with the GPU share. With the GPU to itself
-    the decode worker's replays run at their fastest: a prompt on its way holds nothing back. With another process
-    keeping the GPU busy (stretching the replays) its steps come no sooner than their GPU time / share (a tiny
-    model's replay is ~0.1 ms: at 1/200, ~20 ms)."""
+def test_a_decode_worker_with_the_gpu_to_itself_holds_nothing_back_for_a_prompt_on_its_way(tiny_v3_dir, tmp_path):
+    """As the CPU test of --min-step-interval-ms (test_decode_pacing.py), with the GPU share instead (at 1/200, a
+    tiny model's ~0.1 ms replays would space its steps ~20 ms): request A decodes alone, then B is reserved on the
+    same decode worker with its KV held back 2 s. Nothing else uses the GPU, so the replays run at their fastest and
+    A's tokens keep coming back to back: there is no prefill to make room for."""
     share, kv_delay_s = 0.005, 2.0
     stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cuda"],
                         decode_args=["--gpu-share-while-prefilling", str(share),
                                      "--test-hook-slow-kv-arrival", str(kv_delay_s)])
-    hog = None
+    long = dataclasses.replace(GREEDY, max_new_tokens=1800)  # still decoding when B's KV arrives
     try:
-        alone, held, held_s = _held_gaps(stack, 0, 2, kv_delay_s)
-        assert statistics.median(held) < 2 * statistics.median(alone) and held_s < 0.2, (alone[:20], held[:20])
-        hog = subprocess.Popen([sys.executable, "-c", GPU_HOG], stdout=subprocess.PIPE, text=True)
-        assert hog.stdout.readline().strip() == "busy"
-        alone, held, held_s = _held_gaps(stack, 1, 3, kv_delay_s)
-        stretch = metric(stack.decode[0].metrics_port, "pdserve_decode_replay_stretch_sum") / metric(
-            stack.decode[0].metrics_port, "pdserve_decode_replay_stretch_count")
+        with ThreadPoolExecutor(2) as pool:
+            a_sent = time.monotonic()
+            a = pool.submit(timed_chunks, stack.router.address, PROMPTS[0], long)
+            time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
+            b_sent = time.monotonic()
+            b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
+            a_chunks, a_ids = a.result(timeout=120)
+            _, b_ids = b.result(timeout=120)
+        held_s = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
+        replays = metric(stack.decode[0].metrics_port, "pdserve_decode_replay_stretch_count")
     finally:
-        if hog is not None:
-            hog.kill()
-            hog.wait()
         stack.stop()
-    assert statistics.median(held) >= 3 * statistics.median(alone), (statistics.median(alone), held[:20])
-    assert held_s >= kv_delay_s / 4, held_s  # the worker's metric counts the time it held its steps back
-    assert stretch > 1.0, stretch
+    assert len(a_ids) == 1800 and len(b_ids) == GREEDY.max_new_tokens
+    times = [a_sent + t for t, _, _ in a_chunks]
+    alone = [y - x for x, y in zip(times, times[1:]) if x > times[1] and y < b_sent]
+    waiting = [y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_sent + kv_delay_s - 0.1]
+    assert len(alone) >= 10 and len(waiting) >= 10, (len(alone), len(waiting))
+    assert replays > 100  # the worker timed its replays (the share is on)...
+    assert statistics.median(waiting) < 2 * statistics.median(alone) and held_s < 0.2, (alone[:20], waiting[:20])
