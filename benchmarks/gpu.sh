@@ -24,8 +24,9 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   serving    the service vs the engine: `pdserve up` (prefill + decode on one GPU) driven by `pdserve bench` at
              concurrency 1 8 32 128, demo model and V3 slice, the engine alone on the same prompts; cold kernel
              caches first (~4 min on an H200; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
-  pacing     `serving` on the V3 slice with the decode worker's steps paced (--decode-min-step-interval-ms
-             PACE_MS, default 20) while prompts are on their way, the engine alone beside it (~2.5 min warm)
+  pacing     what pacing buys: `serving` on the V3 slice, stack only, with the decode worker's steps back to back
+             (--decode-gpu-share 1) and as shipped (auto: a third of a contended GPU while prompts are on their way),
+             then with a fixed interval (--decode-min-step-interval-ms PACE_MS, default 20) (~3 min warm)
   kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
   overlap    overlap scheduling on and off through the product: bench_serving.py on the demo model at concurrency 1
              and 32, once as shipped and once with --disable-overlap-schedule on both sides (~3 min)
@@ -166,13 +167,19 @@ suite_serving() {  # serving.json, serving.md, and per model its up.log, bench_c
   step 560 python3 benchmarks/bench_serving.py --out "$d" --cold "$@"
 }
 
-suite_pacing() {  # serving.json, serving.md: the V3 slice with the decode worker's steps paced (--decode-min-step-interval-ms)
-  # The stack and the engine alone as in `serving` (warm caches), the decode worker pacing its steps while prompts are
-  # on their way: on one GPU, fewer and fuller decode steps leave the prefill worker more of it. PACE_MS (default 20).
+suite_pacing() {  # off/, auto/, fixed/ (serving.json, serving.md each): the V3 slice's decode pacing, stack only
+  # On one GPU the decode worker's steps take it from the prefill worker's prompts; pacing (decode_service/pacing.py)
+  # makes them fewer and fuller while prompts are on their way. The engine alone is the `serving` suite's.
   local d=$1
   shift
-  step 330 python3 benchmarks/bench_serving.py --out "$d" --models v3 --prompts-only-concurrency 0 \
-    --up-arg=--decode-min-step-interval-ms="${PACE_MS:-20}" "$@"
+  local mode flags
+  for mode in off auto fixed; do
+    flags=(--up-arg=--decode-gpu-share=1)
+    [ "$mode" = auto ] && flags=(--up-arg=--decode-gpu-share=auto)
+    [ "$mode" = fixed ] && flags+=(--up-arg=--decode-min-step-interval-ms="${PACE_MS:-20}")
+    step 200 python3 benchmarks/bench_serving.py --out "$d/$mode" --models v3 --prompts-only-concurrency 0 \
+      --concurrency 1 32 128 --skip-engine "${flags[@]}" "$@"
+  done
 }
 
 suite_overlap() {  # shipped/ and in_order/: serving.json and serving.md of each

@@ -29,15 +29,15 @@ from typing import Iterable, Optional
 
 # The share holds steps back only while the GPU is contended: while the decode worker's recent graph replays took at
 # least CONTENDED_STRETCH times their fastest and CONTENDED_EXCESS_S more, on average. Their CUDA events then span
-# the other process's kernels too (the GPU time-slices between processes, in slices of a millisecond or more). Held
+# the other process's kernels too (without MPS the GPU time-slices between processes). Held
 # back on a GPU the prefill worker leaves idle (its forward host-bound, as the demo model's is), a step gives nothing
 # to the prompts and costs inter-token latency. Both limits, because neither alone tells contention apart:
 # - a small graph launched onto an idle stream reads long (the GPU passes its start event before the host has
-#   submitted the graph) by tens of microseconds: 2x a tiny model's 0.1 ms replay;
-# - under sustained load the GPU's clocks come down from the boost that its fastest replays ran at: an H200 ran a
-#   4.4 ms graph 0.65 ms (15%) slower after its first few replays, with nothing else on it.
-# H200, mean over a run at c=32 and 128 (ratio to the fastest): the V3 slice 1.52-1.87 (steps of 4-7 ms: 2-5 ms
-# over), the demo model 1.05-1.25 (steps well under 1 ms); a 4.4 ms graph beside another busy process: 8 ms over.
+#   submitted the graph), enough to pass the ratio on a tiny model's ~0.1 ms replays;
+# - a graph's first replays can be its fastest by far: on an H200, alone, four 8192x8192 matmuls ran 0.65-0.71 ms
+#   over them after the first few (presumably the clocks leaving their boost), against 8 ms beside a busy process.
+# H200, mean over a run at c=32 and 128 (ratio to the fastest): the V3 slice 1.52-1.87 (steps of 4-7 ms: 2-6 ms
+# over), the demo model 1.05-1.25 (steps well under 1 ms).
 CONTENDED_STRETCH = 1.25
 CONTENDED_EXCESS_S = 0.5e-3
 REPLAY_WINDOW = 32  # replays

@@ -111,9 +111,9 @@ def _replays(clock: ReplayClock, graph: torch.cuda.CUDAGraph, n: int) -> list[tu
 
 
 def test_the_replay_clock_sees_another_process_keeping_the_gpu_busy():
-    """A graph of a few ms (a V3-slice decode step is 2-7 ms) runs at about its own speed alone (after a few
-    replays, 15% slower on an H200: its clocks come down from their boost); with another process busy on the GPU,
-    that process's time slices run inside the replays' events, and the pacer calls the GPU contended."""
+    """A graph of a few ms (a V3-slice decode step is 2-7 ms) runs at about its own speed alone (on an H200 the later
+    replays 0.65-0.71 ms over the first few); with another process busy on the GPU, that process's time slices run
+    inside the replays' events (8 ms over), and the pacer calls the GPU contended."""
     graph = _captured_matmuls(8192, 4)  # ~4 x 1.1 TFLOP
     clock = ReplayClock()
     _replays(clock, graph, 5)  # its fastest, alone

@@ -42,7 +42,7 @@ class Metrics:
     spec_accept_length: Histogram  # speculative decoding: tokens emitted per verification row that drafted
     spec_draft_seconds: Histogram  # per round: the MTP draft chain and the draft extend
     spec_verify_seconds: Histogram  # per round: the target's verification forward and acceptance
-    step_hold_seconds: Counter  # decode: time its steps waited for pacing (--min-step-interval-ms)
+    step_hold_seconds: Counter  # decode: time its steps waited for pacing (decode_service/pacing.py)
     replay_stretch: Histogram  # decode, when pacing by GPU share: each graph replay's time / its fastest
 
     @classmethod
@@ -96,7 +96,7 @@ class Metrics:
                                      SPEC_TIME_BUCKETS),
             step_hold_seconds=counter("pdserve_decode_step_hold_seconds",
                                       "Decode worker: time its steps were held back by pacing while prompts bound "
-                                      "for it were prefilled (--min-step-interval-ms)"),
+                                      "for it were prefilled (--gpu-share-while-prefilling, --min-step-interval-ms)"),
             replay_stretch=hist("pdserve_decode_replay_stretch",
                                 "Decode worker pacing by GPU share: each CUDA graph replay's GPU time over its "
                                 "graph's fastest (near 1: the GPU ran it alone; above: another process's kernels "
