@@ -104,6 +104,33 @@ def test_a_held_engine_loop_spaces_its_steps_and_still_runs_commands_at_once():
     assert gaps[-1] < interval / 2, gaps
 
 
+@dataclasses.dataclass
+class AThenB:
+    """Request A's tokens, its gaps while it decoded alone and while B was on its way, and B's tokens."""
+    a_ids: list[int]
+    b_ids: list[int]
+    alone: list[float]  # seconds between A's chunks before B was sent
+    waiting: list[float]  # ... while B's KV was held back (its first 0.3 s and last 0.1 s left out)
+
+
+def a_then_b(stack, a_tokens: int, kv_delay_s: float, timeout_s: float = 60.0) -> AThenB:
+    """Request A (PROMPTS[0], a_tokens greedy tokens) decodes alone a while; then B (PROMPTS[2]) is reserved on the
+    same decode worker, its KV held back kv_delay_s by the stack's test hook (which holds A's own KV back too)."""
+    long = dataclasses.replace(GREEDY, max_new_tokens=a_tokens)  # still decoding when B's KV arrives
+    with ThreadPoolExecutor(2) as pool:
+        a_sent = time.monotonic()
+        a = pool.submit(timed_chunks, stack.router.address, PROMPTS[0], long)
+        time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
+        b_sent = time.monotonic()
+        b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
+        a_chunks, a_ids = a.result(timeout=timeout_s)
+        _, b_ids = b.result(timeout=timeout_s)
+    times = [a_sent + t for t, _, _ in a_chunks]  # (timed_chunks starts its clock just after a_sent)
+    b_first_kv = b_sent + kv_delay_s  # B's KV arrives no earlier
+    return AThenB(a_ids, b_ids, alone=[y - x for x, y in zip(times, times[1:]) if x > times[1] and y < b_sent],
+                  waiting=[y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_first_kv - 0.1])
+
+
 @pytest.mark.slow
 def test_a_paced_decode_worker_spaces_its_steps_only_while_a_prompt_is_on_its_way(tiny_v3_dir, tmp_path, reference):
     """Request A decodes; request B is reserved on the same decode worker, its KV held back 2 s (the test hook for a
@@ -112,27 +139,15 @@ def test_a_paced_decode_worker_spaces_its_steps_only_while_a_prompt_is_on_its_wa
     stack = start_stack(tiny_v3_dir, tmp_path, decode_args=["--min-step-interval-ms", str(interval_s * 1e3),
                                                             "--test-hook-slow-kv-arrival", str(kv_delay_s)])
     outputs, _ = reference
-    long = dataclasses.replace(GREEDY, max_new_tokens=300)  # still decoding when B's KV arrives
     try:
-        with ThreadPoolExecutor(2) as pool:
-            a_sent = time.monotonic()
-            a = pool.submit(timed_chunks, stack.router.address, PROMPTS[0], long)
-            time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
-            b_sent = time.monotonic()
-            b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
-            a_chunks, a_ids = a.result(timeout=60)
-            _, b_ids = b.result(timeout=60)
+        run = a_then_b(stack, 300, kv_delay_s)
         held_s = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
     finally:
         stack.stop()
-    assert b_ids == outputs[2].output_ids
+    assert run.b_ids == outputs[2].output_ids
     want_a = outputs[0].output_ids
-    assert a_ids[:len(want_a)] == want_a and len(a_ids) == 300
-    times = [a_sent + t for t, _, _ in a_chunks]  # (timed_chunks starts its clock just after a_sent)
-    b_first_kv = b_sent + kv_delay_s  # B's KV arrives no earlier
-    alone = [y - x for x, y in zip(times, times[1:]) if x > times[1] and y < b_sent]
-    held = [y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_first_kv - 0.1]
-    assert alone and max(alone) < interval_s / 2, alone
-    assert len(held) >= 2 and min(held) >= interval_s * 0.8, held
+    assert run.a_ids[:len(want_a)] == want_a and len(run.a_ids) == 300
+    assert run.alone and max(run.alone) < interval_s / 2, run.alone
+    assert len(run.waiting) >= 2 and min(run.waiting) >= interval_s * 0.8, run.waiting
     # Most of B's 2 s on its way went to holding A's steps back, and the decode worker's metrics say so.
     assert kv_delay_s / 2 <= held_s <= kv_delay_s + 1.0, held_s

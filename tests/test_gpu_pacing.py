@@ -5,12 +5,10 @@ and without --decode-gpu-share, benchmarks/results/README.md.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,11 +18,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 
-from golden import GREEDY, PROMPTS  # noqa: E402
+from golden import GREEDY  # noqa: E402
 from decode_service.pacing import REPLAY_WINDOW, StepPacer  # noqa: E402
 from pdserve.gpu_clock import ReplayClock  # noqa: E402
 from stack import metric, start_stack  # noqa: E402
-from test_first_token import timed_chunks  # noqa: E402
+from test_decode_pacing import a_then_b  # noqa: E402
 
 
 _KEEP = []  # the captured graphs' inputs and outputs: a replay reads and writes their memory
@@ -140,24 +138,14 @@ def test_a_decode_worker_with_the_gpu_to_itself_holds_nothing_back_for_a_prompt_
     stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cuda"],
                         decode_args=["--gpu-share-while-prefilling", str(share),
                                      "--test-hook-slow-kv-arrival", str(kv_delay_s)])
-    long = dataclasses.replace(GREEDY, max_new_tokens=1800)  # still decoding when B's KV arrives
     try:
-        with ThreadPoolExecutor(2) as pool:
-            a_sent = time.monotonic()
-            a = pool.submit(timed_chunks, stack.router.address, PROMPTS[0], long)
-            time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
-            b_sent = time.monotonic()
-            b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
-            a_chunks, a_ids = a.result(timeout=120)
-            _, b_ids = b.result(timeout=120)
+        run = a_then_b(stack, 1800, kv_delay_s, timeout_s=120)
         held_s = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
         replays = metric(stack.decode[0].metrics_port, "pdserve_decode_replay_stretch_count")
     finally:
         stack.stop()
-    assert len(a_ids) == 1800 and len(b_ids) == GREEDY.max_new_tokens
-    times = [a_sent + t for t, _, _ in a_chunks]
-    alone = [y - x for x, y in zip(times, times[1:]) if x > times[1] and y < b_sent]
-    waiting = [y - x for x, y in zip(times, times[1:]) if x > b_sent + 0.3 and y < b_sent + kv_delay_s - 0.1]
-    assert len(alone) >= 10 and len(waiting) >= 10, (len(alone), len(waiting))
+    assert len(run.a_ids) == 1800 and len(run.b_ids) == GREEDY.max_new_tokens
+    assert len(run.alone) >= 10 and len(run.waiting) >= 10, (len(run.alone), len(run.waiting))
     assert replays > 100  # the worker timed its replays (the share is on)...
-    assert statistics.median(waiting) < 2 * statistics.median(alone) and held_s < 0.2, (alone[:20], waiting[:20])
+    assert statistics.median(run.waiting) < 2 * statistics.median(run.alone) and held_s < 0.2, \
+        (run.alone[:20], run.waiting[:20])
