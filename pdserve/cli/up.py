@@ -119,9 +119,9 @@ def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
     return [f"cuda:{k}" for k in range(need)]
 
 
-# --decode-gpu-share auto, when every worker shares one GPU: a decode step's GPU time is at most a third of the time
-# between steps while prompts wait (V3 slice on an H200, c=32: ~21 ms between 7 ms steps; the fixed 20 ms interval
-# gave 0.97 of the engine's output tok/s against 0.86 unpaced, benchmarks/results/README.md "Why pacing").
+# --decode-gpu-share auto, when every worker shares one GPU: while prompts wait and the GPU is contended, a decode
+# step's GPU time is at most a third of the time between steps (V3 slice on an H200: output at c=32 / c=128 0.98 /
+# 0.95 of the engine alone, 0.84 / 0.77 unpaced; ITL 17.8 ms instead of ~10 at c=32; benchmarks/results/README.md).
 SHARED_GPU_DECODE_SHARE = 1 / 3
 
 
