@@ -103,8 +103,13 @@ class DecodeWorker:
         self.clock = self._replay_clock() if config.gpu_share_while_prefilling < 1 else None
         self._held_since: Optional[float] = None  # pacing: when the step to come was first held back
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
-                               on_error=self._step_failed, hold=self._hold if self.pacer.enabled else None)
+                               on_error=self._step_failed, hold=self._hold if self._paces() else None)
         self.last_load = self.load()  # read here, before the engine thread starts
+
+    def _paces(self) -> bool:
+        """Whether a step can ever be held back: a fixed interval, or a share with graph replays to time (a CPU
+        engine given a share, as `pdserve up` passes it everywhere, has none)."""
+        return self.config.min_step_interval_s > 0 or self.clock is not None
 
     def _replay_clock(self) -> Optional[ReplayClock]:
         """Times this engine's CUDA graph replays (the GPU share's measure); None without graphs (a CPU engine, or
