@@ -14,7 +14,7 @@ import grpc
 
 from pdserve.common.trace import mark
 from pdserve.serving.auth import SecurityConfig, internal_auth
-from pdserve.engine import EngineConfig, LLMEngine, RequestOutput
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, StepHooks
 from pdserve.gpu_clock import ReplayClock
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
@@ -99,11 +99,16 @@ class DecodeWorker:
                                    else self.layout.num_kv_layers,
                                    on_output=self._output, on_failed=self._failed,
                                    max_queued=config.max_queued_requests)
+        # A speculative round's outputs, held until the next round waits for the GPU (see _step).
+        self._unsent: list[RequestOutput] = []
+        if self.core.speculator is not None:
+            self.core.hooks = _SendWhileWaiting(self)
         self.pacer = StepPacer(config.min_step_interval_s, config.gpu_share_while_prefilling)
         self.clock = self._replay_clock() if config.gpu_share_while_prefilling < 1 else None
         self._held_since: Optional[float] = None  # pacing: when the step to come was first held back
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
-                               on_error=self._step_failed, hold=self._hold if self._paces() else None)
+                               on_error=self._step_failed, hold=self._hold if self._paces() else None,
+                               idle=self.send_unsent)
         self.last_load = self.load()  # read here, before the engine thread starts
 
     def _paces(self) -> bool:
@@ -148,8 +153,10 @@ class DecodeWorker:
             return 0.0
         now = time.monotonic()
         wait = self.pacer.wait(now)
-        if wait > 0 and self._held_since is None:
-            self._held_since = now
+        if wait > 0:
+            self.send_unsent()  # no round runs meanwhile to send them from
+            if self._held_since is None:
+                self._held_since = now
         return wait
 
     def _step(self) -> None:
@@ -166,9 +173,22 @@ class DecodeWorker:
             self.pacer.replays_completed(replays)
             for seconds, fastest in replays:
                 self.metrics.replay_stretch.observe(seconds / fastest)
-        if outputs:  # one hand-off to the event loop per step, not one per request
+        self.send_unsent()  # held from the round before, if this step had no device wait to send them from
+        # One hand-off to the event loop per step, not one per request. With speculation the next round's one
+        # device-to-host read is a wait with nothing else to do (no overlap scheduling there): handed off from it
+        # (_SendWhileWaiting), the event loop's work for these tokens (their messages, the stream writes) runs while
+        # the GPU verifies, and no longer holds the GIL between two rounds when the engine thread wants it back.
+        if outputs and self.core.speculator is not None and self.engine.has_work:
+            self._unsent = outputs
+        elif outputs:
             self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)
         self._update_gauges()
+
+    def send_unsent(self) -> None:
+        """Engine thread: hand the held outputs to the event loop."""
+        if self._unsent:
+            outputs, self._unsent = self._unsent, []
+            self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)
 
     def _update_gauges(self) -> None:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
@@ -197,6 +217,7 @@ class DecodeWorker:
         self.aio_loop.call_soon_threadsafe(self._deliver, request_id, error)
 
     def _step_failed(self, error: BaseException) -> None:
+        self.send_unsent()  # (tokens of the round before, emitted before the failure)
         err = ServiceError(grpc.StatusCode.INTERNAL, "decode step failed (the decode worker's log has the details)")
         self.aio_loop.call_soon_threadsafe(self.streams.fail_all, err)
 
@@ -228,6 +249,17 @@ class DecodeWorker:
         return pb.WorkerInfo(worker_id=self.identity.worker_id, role=pb.WORKER_ROLE_DECODE,
                              address=self.identity.address, layout=layout_to_proto(self.layout),
                              model=gen_pb.ModelInfo(**model_info(self.core)), kv_endpoint=self.receiver.endpoint)
+
+
+class _SendWhileWaiting(StepHooks):
+    """The decode worker's step hooks under speculation: the last round's outputs go to the event loop while the
+    next round waits for the GPU."""
+
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+
+    def before_device_wait(self) -> None:
+        self.worker.send_unsent()
 
 
 class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):

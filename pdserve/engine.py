@@ -68,6 +68,10 @@ class StepHooks:
         """`prompts` got their first tokens; hidden `(len(prompts), hidden_size)`: the last prompt position's
         hidden state before the final norm (what NextN drafts from)."""
 
+    def before_device_wait(self) -> None:
+        """The step has queued its GPU work and is about to wait for it (a speculative round's one device-to-host
+        read): host work a tier put off now runs behind the GPU's instead of between two rounds."""
+
     def compute_only(self) -> "StepHooks":
         """Hooks that compute what these compute for a prompt and ship nothing (the warm-up runs its prompts
         through them: the first real request then finds every kernel the tier launches compiled)."""
@@ -127,6 +131,8 @@ class LLMEngine:
         self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
         self.spec_observer = spec_observer
         self.hooks = hooks or StepHooks()
+        if self.speculator is not None:  # (through self.hooks: a tier sets its hooks after construction)
+            self.speculator.before_read = lambda: self.hooks.before_device_wait()
         self.sampler = Sampler()
         self.eos_token_ids = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self._ids = itertools.count()

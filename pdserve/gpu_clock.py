@@ -8,6 +8,7 @@ pair of CUDA events instead, read once the GPU has passed them.
 
 from __future__ import annotations
 
+import bisect
 import collections
 from typing import Hashable
 
@@ -27,6 +28,7 @@ class ReplayClock:
 
     def __init__(self) -> None:
         self.fastest_s: dict[tuple[Hashable, int], float] = {}  # (family, rows) -> seconds
+        self._timed_rows: dict[Hashable, list[int]] = {}  # family -> the rows of its timed graphs, ascending
         self._in_flight: collections.deque = collections.deque()  # ((family, rows), start, end) in stream order
         self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._launched: list[tuple[Hashable, int]] = []
@@ -61,16 +63,20 @@ class ReplayClock:
         return completed
 
     def _fastest_with(self, family: Hashable, rows: float) -> float:
-        timed = sorted((r, s) for (f, r), s in self.fastest_s.items() if f == family)
+        # (Per launched replay, i.e. several times a step: a sorted list kept as graphs get timed, not a sort here.)
+        timed = self._timed_rows.get(family)
         if not timed:
             return 0.0
-        return next((s for r, s in timed if r >= rows), timed[-1][1])
+        i = bisect.bisect_left(timed, rows)
+        return self.fastest_s[(family, timed[min(i, len(timed) - 1)])]
 
     def _collect(self) -> None:
         # NOTE: Event.query() does not block; events complete in stream order, so the first pending one stops it.
         while self._in_flight and self._in_flight[0][2].query():
             key, start, end = self._in_flight.popleft()
             seconds = start.elapsed_time(end) / 1e3
+            if key not in self.fastest_s:
+                bisect.insort(self._timed_rows.setdefault(key[0], []), key[1])
             if seconds < self.fastest_s.get(key, float("inf")):
                 self.fastest_s[key] = seconds
             self._completed.append((seconds, self.fastest_s[key]))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -157,6 +157,9 @@ class NextNSpeculator:
     def __init__(self, runner: ModelRunner, config: SpeculativeConfig):
         assert config.enabled
         self.runner, self.config = runner, config
+        # Called right before a round's device-to-host read, while the GPU verifies (the engine's hooks'
+        # before_device_wait).
+        self.before_read: Callable[[], None] = lambda: None
         # Totals since start (benchmarks and tests read them).
         self.num_rows = 0  # rows that drafted
         self.num_drafted = 0
@@ -344,7 +347,9 @@ class NextNSpeculator:
         # length are exactly the emitted tokens. Rows past it write MTP KV at positions >= n'-1 (n' = the new
         # length), which the next chain or extend rewrites before anything reads it.
         ext_logits, ext_hidden = self.runner.mtp_rows(vrows, hidden, put_targets)
-        host = torch.cat([drafts_dev.flatten(), target]).tolist()
+        ids = torch.cat([drafts_dev.flatten(), target])
+        self.before_read()
+        host = ids.tolist()
         drafts = [host[i * k:(i + 1) * k] for i in range(b)]
         verified = self._accept_rows(rows, drafts, [[] for _ in rows], host[b * k:], logits, hidden)
         for i, v in enumerate(verified):
@@ -360,7 +365,9 @@ class NextNSpeculator:
             n = req.num_tokens
             vrows += [TokenRow(req, n - 1 + m, tok) for m, tok in enumerate([req.last_token_id, *d])]
         hidden, logits = self.runner.target_rows(vrows)  # (sum(k+1), D), (sum(k+1), vocab)
-        target_ids = logits.argmax(dim=-1).tolist()  # greedy rows' targets, in one device->host copy
+        target = logits.argmax(dim=-1)
+        self.before_read()
+        target_ids = target.tolist()  # greedy rows' targets, in one device->host copy
         return self._accept_rows(rows, drafts, draft_probs, target_ids, logits, hidden)
 
     @staticmethod

@@ -26,9 +26,10 @@ log = logging.getLogger(__name__)
 class EngineLoop:
     def __init__(self, step: Callable[[], Any], has_work: Callable[[], bool], name: str = "engine-loop",
                  on_error: Optional[Callable[[BaseException], None]] = None,
-                 hold: Optional[Callable[[], float]] = None):
-        """hold(): seconds the next step must still wait (<= 0: run it now); asked before every step."""
-        self._step, self._has_work, self._on_error, self._hold = step, has_work, on_error, hold
+                 hold: Optional[Callable[[], float]] = None, idle: Optional[Callable[[], None]] = None):
+        """hold(): seconds the next step must still wait (<= 0: run it now); asked before every step. idle(): called
+        when the loop finds no work, before it sleeps (what a worker held back for its next step goes then)."""
+        self._step, self._has_work, self._on_error, self._hold, self._idle = step, has_work, on_error, hold, idle
         self._inbox: queue.SimpleQueue[Optional[tuple[Callable[[], Any], Future]]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -71,6 +72,8 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
+                if self._idle is not None and not self._has_work():
+                    self._idle()
                 self._run_commands(block=not self._has_work())
                 if not self._has_work():
                     continue
