@@ -61,6 +61,7 @@ sys.path.insert(0, ROOT)
 
 DEMO_MODEL = os.path.join(ROOT, "models", "tiny-trained")
 
+from benchmarks import host_speed  # noqa: E402
 from benchmarks.serving_report import (  # noqa: E402  (ROOT on the path first; the table and the targets)
     concurrency_one_table, prompts_only_rows, prompts_only_table, rows_of, table, targets,
 )
@@ -469,6 +470,9 @@ def main() -> None:
     command = shlex.join(["python", "benchmarks/bench_serving.py", *sys.argv[1:]])
     result = {"command": command, **machine(), "device": args.device, "cold": args.cold, "models": {}}
     log(f"{command}\n[serving] {result['gpu']}, git {result['git']}, {result['date']}")
+    # The CPUs' speed spread at the start and the end: host-bound numbers (the demo model's) move with it.
+    result["host_speed"] = {"start": host_speed.summary(host_speed.per_cpu_loop_ms())}
+    log(f"host at the start: {host_speed.describe(result['host_speed']['start'])}")
     if args.cold:
         result["cleared_caches"] = clear_kernel_caches()
         log(f"cold start: cleared {result['cleared_caches'] or 'nothing (no caches yet)'}")
@@ -501,6 +505,8 @@ def main() -> None:
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
+    result["host_speed"]["end"] = host_speed.summary(host_speed.per_cpu_loop_ms())
+    log(f"host at the end: {host_speed.describe(result['host_speed']['end'])}")
     text = write_results(result, args, command, t0)
     print(text, flush=True)
     log(f"wrote {args.out}/serving.json and serving.md in {time.monotonic() - t0:.0f} s")
@@ -522,6 +528,10 @@ def write_results(result: dict, args, command: str, t0: float) -> str:
     md = ["# Serving benchmark: the stack vs the engine alone", "",
           f"`{command}`", "", f"{result['gpu']}, git {result['git']}, {result['date']}, device {args.device}"
           + (", cold start (Triton and FlashInfer caches cleared first)" if args.cold else ""), ""]
+    hosts = result.get("host_speed", {})
+    if hosts:  # (benchmarks/host_speed.py)
+        md += ["Host CPUs, " + "; ".join(f"at the {when}: {host_speed.describe(s)}" for when, s in hosts.items())
+               + " (host-bound numbers, the demo model's, follow the CPU a thread lands on)", ""]
     for name, entry in result["models"].items():
         s = entry["stack"]
         warm = ", ".join(f"{role} {v:.2f} s" for role, v in s.get("warmup_s", {}).items()) or "-"

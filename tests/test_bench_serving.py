@@ -48,6 +48,9 @@ def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
     md = (out / "serving.md").read_text()
     assert "bench_serving.py --out" in md and "| demo | 2 | 0/4 |" in md and "zero failed requests" in md
     assert "Prompts only (2 at a time" in md and "| demo | " in md.split("Concurrency 1:")[1]
+    # The CPUs' speed at the start and the end (benchmarks/host_speed.py), every CPU this machine lets it use.
+    assert set(result["host_speed"]) == {"start", "end"} and "Host CPUs, at the start: pure-Python loop" in md
+    assert all(h["cpus"] == len(h["per_cpu_ms"]) >= 1 and h["fastest_ms"] > 0 for h in result["host_speed"].values())
     one = rows[0]
     assert one["ttft_less_transfer_ratio"] == pytest.approx(
         (one["stack_ttft_p50_ms"] - one["transfer_ms"]) / one["engine_prefill_one_ms"])
