@@ -72,9 +72,10 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
-                if self._idle is not None and not self._has_work():
+                idle = not self._has_work()
+                if idle and self._idle is not None:
                     self._idle()
-                self._run_commands(block=not self._has_work())
+                self._run_commands(block=idle)
                 if not self._has_work():
                     continue
                 wait = self._hold() if self._hold is not None else 0.0
