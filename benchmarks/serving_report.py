@@ -3,6 +3,7 @@ concurrency-1 and prompts-only tables, and each of issue 17's targets met or mis
 
 from __future__ import annotations
 
+import statistics
 from typing import Optional
 
 # The issue's targets (issue 17): ratio at least (throughput) or at most (latency).
@@ -80,6 +81,53 @@ def concurrency_one_table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {_f(r['stack_ttft_p50_ms'])} | {_f(r['engine_prefill_one_ms'])} | "
                      f"{_f(r.get('transfer_ms'))} | {_f(r['ttft_ratio'])} | **{_f(r.get('ttft_less_transfer_ratio'))}** "
                      f"| {accept} |")
+    return "\n".join(lines)
+
+
+# The ratios whose spread over --repeats the repeats table shows, and their column names.
+SPREAD = (("out_tok_s_ratio", "out tok/s"), ("tpot_ratio", "TPOT / step"), ("ttft_ratio", "TTFT / prefill"),
+          ("ttft_less_transfer_ratio", "(TTFT - transfer) / prefill"), ("in_tok_s_ratio", "in tok/s"),
+          ("ratio", "in tok/s, prompts only"))
+
+
+def median_rows(repeats: list[list[dict]]) -> list[dict]:
+    """One row per (model, concurrency) over repeated measurements (each a fresh stack, then the engine alone): every
+    number the median of that row's numbers over the repeats (a ratio: the median of each repeat's own stack / engine
+    ratio, not a ratio of medians), "failed" and "prompts" summed (one failed request in any repeat counts), and
+    "repeats" (how many) and "spread" ({ratio: [each repeat's value]}) added."""
+    groups: dict[tuple, list[dict]] = {}
+    for rows in repeats:
+        for r in rows:
+            groups.setdefault((r["model"], r["concurrency"]), []).append(r)
+    out = []
+    for group in groups.values():
+        row = dict(group[0])
+        for key, value in group[0].items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "concurrency":
+                continue
+            if key in ("failed", "prompts"):
+                row[key] = sum(r[key] for r in group)
+                continue
+            values = [r[key] for r in group if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        row["repeats"] = len(group)
+        row["spread"] = {key: [r.get(key) for r in group] for key, _ in SPREAD if key in group[0]}
+        out.append(row)
+    return out
+
+
+def repeats_table(rows: list[dict]) -> str:
+    """median_rows' rows: each ratio's median and its range over the repeats."""
+    keys = [(k, name) for k, name in SPREAD if any(r["spread"].get(k) for r in rows)]
+    lines = ["| model | c | repeats | failed | " + " | ".join(f"{name}: median (min-max)" for _, name in keys) + " |",
+             "|" + "---|" * (4 + len(keys))]
+    for r in rows:
+        cells = []
+        for key, _ in keys:
+            values = [v for v in r["spread"].get(key, []) if v is not None]
+            cells.append(f"**{_f(r[key])}** ({_f(min(values))}-{_f(max(values))})" if values else "-")
+        lines.append(f"| {r['model']} | {r['concurrency']} | {r['repeats']} | {r['failed']}/{r['prompts']} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
