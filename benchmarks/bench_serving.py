@@ -474,6 +474,13 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats: at least 1")
+    # The engine runs c prompts at once at batch c: a stack sent fewer would never hold c requests, and the two
+    # sides would not compare.
+    top = max([*args.concurrency, args.prompts_only_concurrency])
+    if args.num_prompts is not None and args.num_prompts < top and not args.engine_only:
+        p.error(f"--num-prompts {args.num_prompts} is below the concurrency {top}: the stack would never hold that "
+                f"many requests while the engine runs {top} at once; give at least {top} (or leave it out: "
+                "max(8, 2 x concurrency))")
     if args.engine_only:
         engine_only(args)
         return

@@ -168,3 +168,12 @@ def test_median_rows_take_each_repeats_own_ratio_and_sum_failures():
     lines = targets([m])
     assert any("output tok/s at c=32 / engine at batch 32 (demo): 0.90 >= 0.9 target: **met**" in x for x in lines)
     assert any("zero failed requests: 1 failed: **missed**" in x for x in lines)
+
+
+def test_fewer_prompts_than_the_concurrency_is_refused(tmp_path):
+    """The engine runs c prompts at once at batch c; a stack sent fewer than c would be compared with it unfairly."""
+    proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--out", str(tmp_path / "o"), "--device",
+                           "cpu", "--concurrency", "1", "32", "--num-prompts", "24"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--num-prompts 24 is below the concurrency 32" in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()
