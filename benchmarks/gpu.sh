@@ -73,7 +73,7 @@ header() {  # what the numbers were measured on
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
     'triton', triton.__version__)" 2>&1 | tail -1
-  echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?'); $(date -u +%FT%TZ)"
+  echo "git ${BENCH_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}; $(date -u +%FT%TZ)"  # BENCH_GIT_REV: a copied tree's .git may be stale
 }
 
 FAILED=0
