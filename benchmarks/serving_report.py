@@ -151,6 +151,18 @@ def prompts_only_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def shown(v: float, limit: float, at_least: bool) -> str:
+    """v with 2 decimals, or with as many more as it takes not to read as the other side of the limit (0.7956
+    against 0.80 reads "0.796", not "0.80 ... missed")."""
+    def side(x: float) -> bool:
+        return x >= limit if at_least else x <= limit
+
+    digits = 2
+    while digits < 6 and side(round(v, digits)) != side(v):
+        digits += 1
+    return f"{v:.{digits}f}"
+
+
 def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
     """Each of the issue's targets that this run measured, met or missed."""
     out = []
@@ -160,8 +172,8 @@ def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
             return
         v = row[key]
         met = v >= limit if at_least else v <= limit
-        out.append(f"- {what} ({row['model']}): {v:.2f} {'>=' if at_least else '<='} {limit} target: "
-                   f"**{'met' if met else 'missed'}**")
+        out.append(f"- {what} ({row['model']}): {shown(v, limit, at_least)} {'>=' if at_least else '<='} {limit} "
+                   f"target: **{'met' if met else 'missed'}**")
 
     def ttft_target(row: dict) -> None:
         """Met by the plain ratio, or by the issue's allowance of the transfer time when the transfer is shorter than
@@ -173,8 +185,9 @@ def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
         met = plain <= limit or (usable and less <= limit)
         how = ("" if plain <= limit or not met else ", met with the allowance") + (
             "" if usable else f"; the transfer ({transfer:.2f} ms) outlasts the TTFT: no allowance")
-        out.append(f"- TTFT p50 at c=1 / engine prefill of the same prompts ({row['model']}): {plain:.2f}; less the KV "
-                   f"transfer ({transfer:.2f} ms, the issue's allowance): {less:.2f}; <= {limit} target{how}: "
+        out.append(f"- TTFT p50 at c=1 / engine prefill of the same prompts ({row['model']}): "
+                   f"{shown(plain, limit, False)}; less the KV transfer ({transfer:.2f} ms, the issue's allowance): "
+                   f"{shown(less, limit, False)}; <= {limit} target{how}: "
                    f"**{'met' if met else 'missed'}**")
 
     for model in dict.fromkeys(r["model"] for r in rows):

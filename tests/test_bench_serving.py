@@ -177,3 +177,16 @@ def test_fewer_prompts_than_the_concurrency_is_refused(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--num-prompts 24 is below the concurrency 32" in proc.stderr, proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_value_just_past_its_limit_is_not_rounded_onto_it():
+    """0.7956 against 0.80 reads 0.796 ... missed (rounded to 0.80 it would read as met); far from the limit, or
+    rounding onto it from the side that meets it, two decimals stay."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from serving_report import shown, targets
+
+    assert shown(0.7956, 0.8, True) == "0.796" and shown(0.805, 0.8, True) == "0.81"
+    assert shown(1.1049, 1.1, False) == "1.105" and shown(1.0951, 1.1, False) == "1.10"
+    assert shown(0.8996, 0.9, True) == "0.8996"
+    row = {"model": "v3", "concurrency": 32, "failed": 0, "out_tok_s_ratio": 0.8996}
+    assert targets([row])[0] == "- output tok/s at c=32 / engine at batch 32 (v3): 0.8996 >= 0.9 target: **missed**"
