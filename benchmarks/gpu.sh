@@ -44,6 +44,9 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              KV, 2k and 16k tokens, against a device copy; tcp beside it), then TTFT at concurrency 1 through
              `pdserve up --device cuda` on the V3 slice, cuda_ipc vs tcp, layer-wise on and off, 1k/4k/16k
              prompts, and the engine's prefill time of the same lengths (~9 min)
+  host       what the machine adds to host-bound numbers: benchmarks/host_speed.py (each CPU's pure-Python speed, 3
+             rounds) and benchmarks/grpc_hop.py (one gRPC message between two processes after 2-110 ms idle, unary
+             and on an open stream; extra args go to it) (~1 min)
   all        tests, decode, prefill, mla, moe, spec and serving in turn (longer than one device call's 10 minutes)
 
 Files land in $OUT/SUITE/ (default $OUT=/tmp/pdserve-bench): SUITE.log with everything printed (the GPU and
@@ -90,6 +93,13 @@ step() {  # step SECONDS COMMAND...: run it under a time limit, print its wall t
 suite_tests() {
   shift  # the suite's folder: pytest writes nothing there
   step 540 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_*.py "$@"
+}
+
+suite_host() {  # what the host adds to host-bound numbers: each CPU's speed, and one gRPC hop after idle gaps
+  local d=$1
+  shift
+  step 120 python3 benchmarks/host_speed.py --rounds 3 --json "$d/host_speed.json"
+  step 200 python3 benchmarks/grpc_hop.py --gaps 0.002 0.01 0.04 0.11 --calls 60 --json "$d/grpc_hop.json" "$@"
 }
 
 suite_decode() {  # $1: the suite's folder
@@ -348,7 +358,7 @@ case "$suite" in
     need_gpus 2 kv
     setup_env
     run_suite kv "$@" ;;
-  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | pacing | overlap | ttft | trace | profile)
+  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | pacing | overlap | ttft | trace | profile | host)
     need_gpus 1 "$suite"
     setup_env
     run_suite "$suite" "$@" ;;
