@@ -69,9 +69,7 @@ sys.path.insert(0, ROOT)
 DEMO_MODEL = os.path.join(ROOT, "models", "tiny-trained")
 
 from benchmarks import host_speed  # noqa: E402
-from benchmarks.serving_report import (  # noqa: E402  (ROOT on the path first; the table and the targets)
-    concurrency_one_table, median_rows, prompts_only_rows, prompts_only_table, repeats_table, rows_of, table, targets,
-)
+from benchmarks.serving_report import markdown, summarize  # noqa: E402  (ROOT on the path first)
 
 
 def log(msg: str) -> None:
@@ -544,67 +542,19 @@ def main() -> None:
 
 
 def write_results(result: dict, args, command: str, t0: float) -> str:
-    rows, only = [], []
-    for name, entry in result["models"].items():
-        if "engine" in entry:
-            rows += rows_of(name, entry["stack"], entry["engine"])
-            only += prompts_only_rows(name, entry["stack"], entry["engine"])
-    result["rows"], result["prompts_only_rows"] = rows, only
-    # With --repeats: every repeat's rows, and per row each number's median over them (what the targets are held to).
-    repeated = {name: [e for e in [entry, *entry.get("more_repeats", [])] if "engine" in e]
-                for name, entry in result["models"].items()}
-    spread, spread_only = [], []
-    for name, reps in repeated.items():
-        if len(reps) > 1:
-            spread += median_rows([rows_of(name, e["stack"], e["engine"]) for e in reps])
-            spread_only += median_rows([prompts_only_rows(name, e["stack"], e["engine"]) for e in reps])
-    result["median_rows"], result["prompts_only_median_rows"] = spread, spread_only
-    judged = [r for r in rows if r["model"] not in {m["model"] for m in spread}] + spread
-    judged_only = [r for r in only if r["model"] not in {m["model"] for m in spread_only}] + spread_only
-    result["targets"] = targets(judged, judged_only) if judged else []
-    result["first_run_failed"] = {name: e["stack"]["runs"][0]["failed"] for name, e in result["models"].items()
-                                  if e["stack"]["runs"]}
+    """serving.json and serving.md in --out (after every measurement: a run cut short keeps what it measured)."""
+    summarize(result)
     result["seconds"] = time.monotonic() - t0
-    md = ["# Serving benchmark: the stack vs the engine alone", "",
-          f"`{command}`", "", f"{result['gpu']}, git {result['git']}, {result['date']}, device {args.device}"
-          + (", cold start (Triton and FlashInfer caches cleared first)" if args.cold else ""), ""]
     hosts = result.get("host_speed", {})
-    if hosts:  # (benchmarks/host_speed.py)
-        md += ["Host CPUs, " + "; ".join(f"at the {when}: {host_speed.describe(s)}" for when, s in hosts.items())
-               + " (host-bound numbers, the demo model's, follow the CPU a thread lands on)", ""]
-    for name, entry in result["models"].items():
-        s = entry["stack"]
-        warm = ", ".join(f"{role} {v:.2f} s" for role, v in s.get("warmup_s", {}).items()) or "-"
-        md.append(f"- {name}: `{s.get('command', '')}`: up after {s.get('up_s', 0):.1f} s (warm-up {warm}); "
-                  f"first run after start-up: {result['first_run_failed'].get(name, '-')} failed"
-                  + (f"; engine alone built in {entry['engine']['built_s']:.1f} s, warmed up in "
-                     f"{entry['engine']['warmup_s']:.1f} s" if "engine" in entry else "")
-                  + (f"; **error**: {entry['error'][:300]}" if "error" in entry else "")
-                  + ("; the stacks of the next repeats up after " + ", ".join(
-                      f"{e['stack'].get('up_s', 0):.1f} s" for e in entry.get("more_repeats", []))
-                     if entry.get("more_repeats") else ""))
-    if rows:
-        md += ["", "The first repeat:", "", table(rows)] if spread else ["", table(rows)]
-        if any(r["concurrency"] == 1 for r in rows):
-            md += ["", "Concurrency 1: the engine ran the stack's prompts one at a time (its prefill: the median, as "
-                   "TTFT's p50); the KV transfer is the prefill worker's mean over the same run (from its answer to the "
-                   "decode worker's confirmation):", "", concurrency_one_table(rows)]
-        if only:
-            md += ["", f"Prompts only ({args.prompts_only_concurrency} at a time, 1 new token each; the engine: as "
-                   "many prompts at once), where the input tok/s above is diluted by decoding:", "",
-                   prompts_only_table(only)]
-        if spread:
-            md += ["", "Over the repeats (each a fresh stack, then the engine alone; per repeat its own ratio; "
-                   "failed summed):", "", repeats_table(spread + spread_only)]
-        md += ["", "Targets (issue 17)" + (f", judged on the medians over {args.repeats} repeats ("
-                                           f"{', '.join(sorted({r['model'] for r in spread}))})" if spread else "")
-               + ":", *result["targets"]]
-    text = "\n".join(md) + "\n"
+    host_line = ("Host CPUs, " + "; ".join(f"at the {when}: {host_speed.describe(s)}" for when, s in hosts.items())
+                 + " (host-bound numbers, the demo model's, follow the CPU a thread lands on)") if hosts else ""
+    text = markdown(result, command, args.device, args.cold, args.prompts_only_concurrency, args.repeats, host_line)
     with open(os.path.join(args.out, "serving.json"), "w") as f:
         json.dump(result, f, indent=2)
     with open(os.path.join(args.out, "serving.md"), "w") as f:
         f.write(text)
     return text
+
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
-"""The serving benchmark's table (benchmarks/bench_serving.py): stack / engine ratios per model and concurrency, the
-concurrency-1 and prompts-only tables, and each of issue 17's targets met or missed."""
+"""The serving benchmark's report (benchmarks/bench_serving.py): stack / engine ratios per model and concurrency, the
+concurrency-1, prompts-only and repeats tables, each of issue 17's targets met or missed, and serving.md."""
 
 from __future__ import annotations
 
@@ -215,3 +215,66 @@ def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
     failed = sum(r["failed"] for r in rows) + sum(r["failed"] for r in prompts_only)
     out.append(f"- zero failed requests: {failed} failed: **{'met' if failed == 0 else 'missed'}**")
     return out
+
+
+def summarize(result: dict) -> None:
+    """Adds to bench_serving's result its rows (the first repeat's), with --repeats each row's medians over the
+    repeats (what the targets are then held to), the targets, and the first run's failures per model."""
+    rows, only = [], []
+    for name, entry in result["models"].items():
+        if "engine" in entry:
+            rows += rows_of(name, entry["stack"], entry["engine"])
+            only += prompts_only_rows(name, entry["stack"], entry["engine"])
+    result["rows"], result["prompts_only_rows"] = rows, only
+    repeated = {name: [e for e in [entry, *entry.get("more_repeats", [])] if "engine" in e]
+                for name, entry in result["models"].items()}
+    spread, spread_only = [], []
+    for name, reps in repeated.items():
+        if len(reps) > 1:
+            spread += median_rows([rows_of(name, e["stack"], e["engine"]) for e in reps])
+            spread_only += median_rows([prompts_only_rows(name, e["stack"], e["engine"]) for e in reps])
+    result["median_rows"], result["prompts_only_median_rows"] = spread, spread_only
+    judged = [r for r in rows if r["model"] not in {m["model"] for m in spread}] + spread
+    judged_only = [r for r in only if r["model"] not in {m["model"] for m in spread_only}] + spread_only
+    result["targets"] = targets(judged, judged_only) if judged else []
+    result["first_run_failed"] = {name: e["stack"]["runs"][0]["failed"] for name, e in result["models"].items()
+                                  if e["stack"]["runs"]}
+
+
+def markdown(result: dict, command: str, device: str, cold: bool, prompts_only_concurrency: int, repeats: int,
+             host_line: str = "") -> str:
+    """serving.md from a summarized result."""
+    rows, only, spread = result["rows"], result["prompts_only_rows"], result["median_rows"]
+    md = ["# Serving benchmark: the stack vs the engine alone", "",
+          f"`{command}`", "", f"{result['gpu']}, git {result['git']}, {result['date']}, device {device}"
+          + (", cold start (Triton and FlashInfer caches cleared first)" if cold else ""), ""]
+    if host_line:  # (benchmarks/host_speed.py)
+        md += [host_line, ""]
+    for name, entry in result["models"].items():
+        s = entry["stack"]
+        warm = ", ".join(f"{role} {v:.2f} s" for role, v in s.get("warmup_s", {}).items()) or "-"
+        md.append(f"- {name}: `{s.get('command', '')}`: up after {s.get('up_s', 0):.1f} s (warm-up {warm}); "
+                  f"first run after start-up: {result['first_run_failed'].get(name, '-')} failed"
+                  + (f"; engine alone built in {entry['engine']['built_s']:.1f} s, warmed up in "
+                     f"{entry['engine']['warmup_s']:.1f} s" if "engine" in entry else "")
+                  + (f"; **error**: {entry['error'][:300]}" if "error" in entry else "")
+                  + ("; the stacks of the next repeats up after " + ", ".join(
+                      f"{e['stack'].get('up_s', 0):.1f} s" for e in entry.get("more_repeats", []))
+                     if entry.get("more_repeats") else ""))
+    if rows:
+        md += ["", "The first repeat:", "", table(rows)] if spread else ["", table(rows)]
+        if any(r["concurrency"] == 1 for r in rows):
+            md += ["", "Concurrency 1: the engine ran the stack's prompts one at a time (its prefill: the median, as "
+                   "TTFT's p50); the KV transfer is the prefill worker's mean over the same run (from its answer to the "
+                   "decode worker's confirmation):", "", concurrency_one_table(rows)]
+        if only:
+            md += ["", f"Prompts only ({prompts_only_concurrency} at a time, 1 new token each; the engine: as "
+                   "many prompts at once), where the input tok/s above is diluted by decoding:", "",
+                   prompts_only_table(only)]
+        if spread:
+            md += ["", "Over the repeats (each a fresh stack, then the engine alone; per repeat its own ratio; "
+                   "failed summed):", "", repeats_table(spread + result["prompts_only_median_rows"])]
+        md += ["", "Targets (issue 17)" + (f", judged on the medians over {repeats} repeats ("
+                                           f"{', '.join(sorted({r['model'] for r in spread}))})" if spread else "")
+               + ":", *result["targets"]]
+    return "\n".join(md) + "\n"
