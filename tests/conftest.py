@@ -6,6 +6,7 @@ checkpoint takes `copy_model(src)` and corrupts the copy.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -13,6 +14,33 @@ from typing import Callable
 import pytest
 
 from pdserve.tiny_model import make_tiny_model
+
+# TRITON_INTERPRET as the session began (this file loads before any test module).
+_TRITON_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+
+
+def _set_triton_interpret(value) -> None:
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
+
+
+def pytest_collection_finish(session) -> None:
+    """The Triton-interpreter modules set TRITON_INTERPRET=1 as they are collected (tests/interpreter_mode.py: triton
+    fixes its mode at its first import), for the whole process. Once every module is imported it goes back to how
+    the session began, so that the processes other tests and their fixtures start (a stack, a benchmark) do not run
+    their kernels interpreted and miss their deadlines. scripts/test.sh runs those modules in a process of their
+    own anyway; this covers a plain `pytest tests/`."""
+    _set_triton_interpret(_TRITON_INTERPRET_AT_START)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_modules_keep_it(request, monkeypatch):
+    """...but the interpreter modules' own tests keep it (a kernel module one of them imports late is made
+    interpreted too). On a CUDA machine those modules skip at import, so this never runs there."""
+    if request.module.__name__.endswith("_interpret"):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs) -> Path:
