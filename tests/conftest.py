@@ -15,15 +15,10 @@ import pytest
 
 from pdserve.tiny_model import make_tiny_model
 
+from interpreter_mode import INTERPRETED_FILES
+
 # TRITON_INTERPRET as the session began (this file loads before any test module).
 _TRITON_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
-
-
-def _set_triton_interpret(value) -> None:
-    if value is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = value
 
 
 def pytest_collection_finish(session) -> None:
@@ -32,14 +27,16 @@ def pytest_collection_finish(session) -> None:
     the session began, so that the processes other tests and their fixtures start (a stack, a benchmark) do not run
     their kernels interpreted and miss their deadlines. scripts/test.sh runs those modules in a process of their
     own anyway; this covers a plain `pytest tests/`."""
-    _set_triton_interpret(_TRITON_INTERPRET_AT_START)
+    os.environ.pop("TRITON_INTERPRET", None)
+    if _TRITON_INTERPRET_AT_START is not None:
+        os.environ["TRITON_INTERPRET"] = _TRITON_INTERPRET_AT_START
 
 
 @pytest.fixture(autouse=True)
 def _interpreter_modules_keep_it(request, monkeypatch):
-    """...but the interpreter modules' own tests keep it (a kernel module one of them imports late is made
-    interpreted too). On a CUDA machine those modules skip at import, so this never runs there."""
-    if request.module.__name__.endswith("_interpret"):
+    """...but the tests of the modules that entered interpreter mode keep it (a kernel module one of them imports
+    late is made interpreted too)."""
+    if os.path.abspath(str(request.path)) in INTERPRETED_FILES:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 

@@ -24,6 +24,10 @@ def _triton_imported_compiled() -> bool:
     return language is not None and type(language.max).__name__ != "InterpretedFunction"
 
 
+# The modules that turned the interpreter on (their tests keep TRITON_INTERPRET=1; see tests/conftest.py).
+INTERPRETED_FILES: set[str] = set()
+
+
 def enter_interpreter(test_file: str, gpu_twin: str) -> Optional[Callable[[], None]]:
     """Skip the calling module on a CUDA machine (gpu_twin runs its kernels compiled), else turn the interpreter on.
     Returns None when the module's kernels will run interpreted here, or a test that reruns test_file alone in a
@@ -32,6 +36,7 @@ def enter_interpreter(test_file: str, gpu_twin: str) -> Optional[Callable[[], No
         pytest.skip(f"CUDA present: {gpu_twin} runs these kernels compiled", allow_module_level=True)
     compiled = _triton_imported_compiled()
     os.environ["TRITON_INTERPRET"] = "1"
+    INTERPRETED_FILES.add(os.path.abspath(test_file))
     pytest.importorskip("triton")
     if not compiled:
         return None
