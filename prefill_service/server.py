@@ -15,7 +15,7 @@ from pdserve.serving.auth import SecurityConfig, internal_auth
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
-    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
+    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving, status_of,
 )
 from pdserve.kv_transfer import KVTransferError, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
@@ -33,6 +33,7 @@ from pdserve.serving.worker_common import (
 from .answers_out import AnswersOut
 from .destinations import Destinations
 from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob
+from .prompt_calls import PromptCall
 
 log = logging.getLogger(__name__)
 
@@ -191,13 +192,32 @@ class PrefillWorker:
 class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
     """Thin: converts messages, hands work to the engine thread, maps errors to status codes."""
 
-    def __init__(self, worker: PrefillWorker):
+    def __init__(self, worker: PrefillWorker, drain: Optional[Drain] = None):
         self.w = worker
+        self.drain = drain or Drain()  # the server's: a draining worker refuses new prompts on open calls too
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        try:
+            resp = await self.prefill(request, "Prefill")
+        except ServiceError as e:
+            await abort_with(context, e)
+        # Runs once this task yields, i.e. once gRPC has the response: the engine thread may hand over its KV.
+        asyncio.get_running_loop().call_soon(self.w.answers.sent, request.request_id)
+        return resp
+
+    async def PrefillStream(self, request_iterator, context: grpc.aio.ServicerContext):
+        call = PromptCall(lambda request: self.prefill(request, "PrefillStream"), self.bind, self.w.answers.sent,
+                          self.drain)
+        async for msg in call.serve(request_iterator):
+            yield msg
+
+    async def prefill(self, request: pb.PrefillRequest, rpc: str) -> pb.PrefillResponse:
+        """One prompt, as a Prefill call or a PrefillStream message (`rpc`) brings it: its answer once the first
+        token is sampled (the KV still on its way), or a ServiceError with the status to end it with."""
         w = self.w
         rid = request.request_id
         mark("prefill.recv", rid)
+        w.metrics.count(w.metrics.prompts_received, rpc=rpc)
         transport = w.config.kv_transport  # until the pairing says which (auto)
         try:
             if not request.input_ids:
@@ -240,16 +260,15 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             if result.first_token_logprob is not None:
                 resp.first_token_logprobs.CopyFrom(logprob_to_proto(result.first_token_logprob))
             mark("prefill.answer", rid)
-            # Runs once this task yields, i.e. once gRPC has the response: the engine thread may hand over its KV.
-            asyncio.get_running_loop().call_soon(w.answers.sent, rid)
             return resp
         except KVTransferError as e:
             w.metrics.count(w.metrics.transfer_failures, kind=e.kind, transport=transport)
             w.metrics.count(w.metrics.requests, outcome="failed")
-            await context.abort(TRANSFER_STATUS.get(e.kind, grpc.StatusCode.INTERNAL), f"KV transfer failed: {e}")
+            raise ServiceError(TRANSFER_STATUS.get(e.kind, grpc.StatusCode.INTERNAL), f"KV transfer failed: {e}"
+                               ) from None
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
-            await abort_with(context, e)
+            raise ServiceError(*status_of(e)) from None
 
     def _give_up(self, rid: str, handle) -> None:
         """Engine thread: the job of a Prefill call cancelled while it was being added, whether or not it was (a
@@ -260,15 +279,19 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
 
     async def Bind(self, request: pb.BindRequest, context: grpc.aio.ServicerContext) -> pb.BindResponse:
         try:
-            if not request.request_id:
-                raise invalid("request_id: empty")
-            if not request.HasField("destination"):
-                raise invalid("destination: missing (the decode worker's ReserveResponse)")
-            mark("prefill.bind", request.request_id)
-            self.w.destinations.put(request.request_id, request.destination)
+            self.bind(request)
         except ServiceError as e:
             await abort_with(context, e)
         return pb.BindResponse()
+
+    def bind(self, request: pb.BindRequest) -> None:
+        """A destination, as a Bind call or a PrefillStream message brings it; ServiceError when it cannot be taken."""
+        if not request.request_id:
+            raise invalid("request_id: empty")
+        if not request.HasField("destination"):
+            raise invalid("destination: missing (the decode worker's ReserveResponse)")
+        mark("prefill.bind", request.request_id)
+        self.w.destinations.put(request.request_id, request.destination)
 
     async def _open(self, job: PrefillJob, destination: pb.ReserveResponse):
         """The send handle to `destination` (the decode worker's ReserveResponse: room, kv_endpoint, dst_pages,
@@ -307,12 +330,12 @@ async def serve_prefill(worker: PrefillWorker, ready=None) -> None:
     if worker.config.warmup:
         worker.warmup_report = warm_up_worker(worker.core, "prefill")
     sec = worker.config.security
+    drain = Drain(tracked={"Prefill"}, refused={"Prefill", "PrefillStream", "GetLoad"})
     server, port = create_server(worker.config.host, worker.config.port,
                                  [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name],
-                                 lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), s),
-                                 interceptors=internal_auth(sec),
-                                 drain=Drain(tracked={"Prefill"}, refused={"Prefill", "GetLoad"}),
-                                 credentials=sec.server_credentials())
+                                 lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, drain),
+                                                                                       s),
+                                 interceptors=internal_auth(sec), drain=drain, credentials=sec.server_credentials())
     worker.start(asyncio.get_running_loop())
     await start_serving(server)
     if ready is not None:

@@ -29,7 +29,9 @@ from pdserve.v1 import generate_pb2_grpc as gen_grpc
 from pdserve.v1 import worker_pb2 as pb
 
 from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
-from .decode_streams import DecodeFailed, DecodeStreams, failure_of
+from .call_failed import CallFailed, failure_of
+from .decode_streams import DecodeStreams
+from .prefill_streams import PrefillStreams
 from .first_token import EarlyFirstToken
 from .warm_pairs import keep_pairs_warm, warm_pairs
 from .workers import Worker, WorkerDown, WorkerPool, pick_decode, pick_prefill
@@ -93,6 +95,7 @@ class Router:
         self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="router-tokenize")
         self._tokenize_slots = asyncio.Semaphore(config.tokenize_threads)
         self.decode_streams = DecodeStreams(pool.metadata, pool.seen)  # one DecodeStream call per decode worker
+        self.prefill_streams = PrefillStreams(pool.metadata, pool.seen)  # one PrefillStream call per prefill one
         self._uncounted = Metrics.create("router")  # never exported: the router's own requests (relay_uncounted)
         self.warm_task: Optional[asyncio.Task] = None  # keep_pairs_warm, from start_router
 
@@ -277,7 +280,7 @@ class Router:
                         yield msg
                     outcome = "finished"
                     return
-                except (grpc.aio.AioRpcError, DecodeFailed, WorkerDown) as e:  # a worker's status, passed on
+                except (grpc.aio.AioRpcError, CallFailed, WorkerDown) as e:  # a worker's status, passed on
                     # (or retried)
                     code, details = ((grpc.StatusCode.UNAVAILABLE, str(e)) if isinstance(e, WorkerDown)
                                      else (e.code(), e.details()))
@@ -303,7 +306,8 @@ class Router:
     async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival, deadline,
                      metrics: Optional[Metrics] = None):
         """Prefill and Reserve on the decode worker at once (the prompt is computed while pages are reserved; the
-        reservation then goes to the prefill worker in a Bind call), while this request's feed (see decode_streams)
+        reservation then goes to the prefill worker as its Bind; both on the router's open PrefillStream call to that
+        worker, see prefill_streams.py), while this request's feed (see decode_streams)
         collects everything that can happen to it: the decode worker's updates, a prefill failure, a worker taken
         out of routing, the deadline. One wake-up per batch of updates; the tokens that queued meanwhile (a client
         reading slower than the engine steps) go out in one chunk. The first token goes out with the prefill
@@ -315,7 +319,7 @@ class Router:
         feed: asyncio.Queue = asyncio.Queue()
         # Ends this attempt at once if either worker is taken out of routing (frozen, stalled, gone) meanwhile.
         down = asyncio.ensure_future(_first_down(prefill, decode))
-        call = prefill_task = bind_task = deadline_timer = None
+        call = prefill_task = deadline_timer = None
         output_ids: list[int] = []
         text: list[str] = []
         logprobs: list[gen_pb.TokenLogprobs] = []
@@ -334,24 +338,24 @@ class Router:
             down.add_done_callback(lambda d: d.cancelled() or feed.put_nowait(WorkerDown(d.result())))
 
         def prefill_done(task: asyncio.Future) -> None:
-            if task.cancelled() or ended:  # (a callback scheduled just before this attempt ended)
+            if task.cancelled():
                 return
-            if task.exception() is not None:
-                feed.put_nowait(task.exception())  # decode would only notice at its KV timeout
+            error = task.exception()  # (read even when this attempt has ended, so that it counts as retrieved)
+            if ended:  # (a callback scheduled just before this attempt ended)
+                return
+            if error is not None:
+                feed.put_nowait(error)  # decode would only notice at its KV timeout
             else:  # the prefill worker's part is done: only the decode worker can hold this request up now
                 mark("router.prefill_answer", rid)
                 watch_down(decode)
                 if early is not None:
                     feed.put_nowait(task.result())  # its first token, for the client at once
 
-        def bind_done(task: asyncio.Future) -> None:
-            if not (task.cancelled() or ended) and task.exception() is not None:
-                feed.put_nowait(task.exception())  # the prefill would wait for its destination until its timeout
-
         try:
-            prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
-                request_id=rid, input_ids=ids, sampling_params=sp),  # its destination follows in a Bind call
-                timeout=_left(deadline), metadata=md))
+            _left(deadline)  # (raises if it has passed)
+            prefill_call = self.prefill_streams.to(prefill)
+            prefill_task = prefill_call.prefill(pb.PrefillRequest(  # its destination follows as a Bind
+                request_id=rid, input_ids=ids, sampling_params=sp))
             prefill_task.add_done_callback(prefill_done)
             reserve_call = asyncio.ensure_future(decode.stub.Reserve(
                 pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
@@ -369,9 +373,7 @@ class Router:
             reserve: pb.ReserveResponse = reserve_call.result()  # (its failure ends the attempt, and the Prefill)
             mark("router.reserved", rid)
             call = self.decode_streams.attach(decode, rid, feed)
-            bind_task = asyncio.ensure_future(prefill.stub.Bind(pb.BindRequest(request_id=rid, destination=reserve),
-                                                                timeout=_left(deadline), metadata=md))
-            bind_task.add_done_callback(bind_done)
+            prefill_call.bind(pb.BindRequest(request_id=rid, destination=reserve))  # (its failure fails the prompt)
             watch_down(prefill, decode)
             if deadline is not None:
                 deadline_timer = asyncio.get_running_loop().call_later(
@@ -392,7 +394,7 @@ class Router:
                         if update is None:
                             continue
                     elif update.HasField("failure"):
-                        raise failure_of(update)
+                        raise failure_of(update.failure)
                     else:
                         if early is not None:
                             early.strip(update)
@@ -451,8 +453,6 @@ class Router:
                 call.cancel(rid)
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
-            if bind_task is not None and not bind_task.done():
-                bind_task.cancel()
             down.cancel()
             if decoding:
                 decode.decoding -= 1

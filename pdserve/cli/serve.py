@@ -433,6 +433,7 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
         if http is not None:
             await http.cleanup()
         router.decode_streams.close()
+        router.prefill_streams.close()
         await pool.close()
         ownership.close()
 

@@ -92,6 +92,32 @@ class PrefillResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprobs]
     def __init__(self, first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., first_token_logprobs: _Optional[_Union[_generate_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class PrefillStreamRequest(_message.Message):
+    __slots__ = ("prefill", "bind", "cancel")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    BIND_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    prefill: _containers.RepeatedCompositeFieldContainer[PrefillRequest]
+    bind: _containers.RepeatedCompositeFieldContainer[BindRequest]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prefill: _Optional[_Iterable[_Union[PrefillRequest, _Mapping]]] = ..., bind: _Optional[_Iterable[_Union[BindRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefillAnswer(_message.Message):
+    __slots__ = ("request_id", "response", "failure")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: PrefillResponse
+    failure: Failure
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+
+class PrefillStreamResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[PrefillAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[PrefillAnswer, _Mapping]]] = ...) -> None: ...
+
 class DecodeStreamRequest(_message.Message):
     __slots__ = ("attach", "cancel")
     ATTACH_FIELD_NUMBER: _ClassVar[int]
