@@ -85,7 +85,7 @@ def free_port() -> int:
 
 def engine_flags(args, model: dict) -> list[str]:
     """The engine flags of both the stack (`pdserve up`) and the engine alone."""
-    top = max(args.concurrency)
+    top = max(args.concurrency + [args.prompts_only_concurrency])  # (the prompts-only run's prompts, all at once)
     per_request = -(-(model["input_len"] + model["output_len"]) // args.page_size) + 1
     pages = args.num_pages or int(per_request * top * 1.1) + 64
     flags = ["--model", model["dir"], "--device", args.device, "--load-format", model["load_format"],

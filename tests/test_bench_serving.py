@@ -190,3 +190,20 @@ def test_a_value_just_past_its_limit_is_not_rounded_onto_it():
     assert shown(0.8996, 0.9, True) == "0.8996"
     row = {"model": "v3", "concurrency": 32, "failed": 0, "out_tok_s_ratio": 0.8996}
     assert targets([row])[0] == "- output tok/s at c=32 / engine at batch 32 (v3): 0.8996 >= 0.9 target: **missed**"
+
+
+def test_the_stack_has_room_for_the_prompts_only_run_at_once():
+    """`--concurrency 1 --prompts-only-concurrency 32` once sized the stack for one request: 30 of the 32 prompts-only
+    requests failed RESOURCE_EXHAUSTED ("no KV room on this decode worker") on an H200."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_serving import engine_flags
+
+    args = argparse.Namespace(concurrency=[1], prompts_only_concurrency=32, page_size=16, num_pages=None,
+                              device="cpu", max_num_batched_tokens=2048, cuda_graph_max_bs=None,
+                              speculative_num_steps=0, engine_arg=[])
+    flags = engine_flags(args, {"dir": "m", "load_format": "auto", "input_len": 2048, "output_len": 64})
+    value = lambda name: int(flags[flags.index(name) + 1])  # noqa: E731
+    assert value("--max-running-requests") == 32
+    assert value("--num-pages") >= 32 * (2048 + 64) // 16
