@@ -1,6 +1,7 @@
-"""Where the KV of a Prefill sent without a destination goes: the router reserves pages on the decode worker
-while the prompt is computed, then sends the reservation in a Bind call. The two calls may overtake each other, so
-each request id has a mailbox that whichever comes first opens. Everything here runs on the event loop."""
+"""Where the KV of a prompt sent without a destination goes: the router reserves pages on the decode worker while
+the prompt is computed, then sends the reservation as its bind (a PrefillStream message, or a Bind call). Prompt
+and bind may overtake each other (two calls; on one stream they do not), so each request id has a mailbox that
+whichever comes first opens. Everything here runs on the event loop."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ class PrefillWorker:
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
-        self.destinations: Optional[Destinations] = None  # Bind calls' destinations, by request id
+        self.destinations: Optional[Destinations] = None  # binds' destinations, by request id
         self.transfers: set[asyncio.Task] = set()  # KV transfers of answered Prefill calls, still in flight
         self.last_load = self.load()  # read here, before the engine thread starts
 
@@ -240,7 +240,7 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                 raise
             w.metrics.count(w.metrics.prompt_tokens, len(job.prompt_ids))
             try:
-                if handle is None:  # computing already; the destination comes in a Bind call
+                if handle is None:  # computing already; the destination comes as its bind
                     handle = await self._open(job, await w.destinations.take(rid, w.config.transfer_timeout_s))
                     transport = handle.transport
                     w.engine.bind(rid, handle, job.dst_pages, job.ships_mtp)
