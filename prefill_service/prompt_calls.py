@@ -107,8 +107,7 @@ class PromptCall:
         except asyncio.CancelledError:
             raise  # cancelled by the router, or the call ended: nobody waits for an answer
         except Exception as e:  # noqa: BLE001 (ServiceError, or anything unexpected: INTERNAL, logged)
-            code, details = status_of(e)
-            answer = pb.PrefillAnswer(request_id=rid, failure=pb.Failure(code=code.value[0], message=details))
+            answer = _failure(rid, *status_of(e))
         finally:
             self.drain.in_flight -= 1
             if self.jobs.get(rid) is asyncio.current_task():
@@ -123,7 +122,11 @@ class PromptCall:
         self._answer_failure(rid, error.code, str(error))
 
     def _answer_failure(self, rid: str, code: grpc.StatusCode, details: str) -> None:
-        self._out.put_nowait(pb.PrefillAnswer(request_id=rid, failure=pb.Failure(code=code.value[0], message=details)))
+        self._out.put_nowait(_failure(rid, code, details))
+
+
+def _failure(rid: str, code: grpc.StatusCode, details: str) -> pb.PrefillAnswer:
+    return pb.PrefillAnswer(request_id=rid, failure=pb.Failure(code=code.value[0], message=details))
 
 
 __all__ = ["PromptCall"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Optional
 
 from pdserve.v1 import worker_pb2 as pb
 
@@ -30,7 +30,7 @@ class PrefillCall(OpenCall):
     def __init__(self, worker: Worker, metadata, seen: Callable[[Worker], None],
                  on_closed: Callable[[OpenCall], None]):
         self.waiting: dict[str, asyncio.Future] = {}
-        self.closed = False
+        self.ended: Optional[CallFailed] = None  # how the call ended, once it has
         super().__init__(worker, metadata, seen, on_closed)
 
     def open(self, worker: Worker, commands: AsyncIterator, metadata):
@@ -40,8 +40,8 @@ class PrefillCall(OpenCall):
         """Sends the prompt; its answer comes in the future returned (cancel it to drop the prompt)."""
         answer = asyncio.get_running_loop().create_future()
         rid = request.request_id
-        if self.closed:
-            answer.set_exception(CallFailed(*self._ended))
+        if self.ended is not None:
+            answer.set_exception(CallFailed(self.ended.code(), self.ended.details()))
             return answer
         self.waiting[rid] = answer
         answer.add_done_callback(lambda a: a.cancelled() and self._cancel(rid, a))
@@ -69,7 +69,7 @@ class PrefillCall(OpenCall):
                 answer.set_exception(failure_of(a.failure))
 
     def fail_all(self, error: CallFailed) -> None:
-        self.closed, self._ended = True, (error.code(), error.details())
+        self.ended = error
         waiting, self.waiting = self.waiting, {}
         for answer in waiting.values():
             if not answer.done():
