@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import bisect
 import collections
-from typing import Hashable
+from typing import Hashable, Optional
 
 import torch
+
+from pdserve.cuda_streams import current_stream
 
 
 class ReplayClock:
@@ -33,15 +35,19 @@ class ReplayClock:
         self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._launched: list[tuple[Hashable, int]] = []
         self._completed: list[tuple[float, float]] = []  # (seconds, its graph's fastest) of replays completed
+        self._device_index: Optional[int] = None  # known at the first replay
 
     def replay(self, family: Hashable, rows: int, graph: torch.cuda.CUDAGraph) -> None:
         """graph.replay(), timed; the graph is family's with `rows` rows."""
         self._collect()
         start, end = self._spare.pop() if self._spare else (torch.cuda.Event(enable_timing=True),
                                                              torch.cuda.Event(enable_timing=True))
-        start.record()
+        if self._device_index is None:  # the engine thread's device (its graphs replay on its current stream)
+            self._device_index = torch.cuda.current_device()
+        stream = current_stream(self._device_index)
+        start.record(stream)
         graph.replay()
-        end.record()
+        end.record(stream)
         self._in_flight.append(((family, rows), start, end))
         self._launched.append((family, rows))
 

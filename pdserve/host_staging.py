@@ -18,10 +18,13 @@ from typing import Optional
 
 import torch
 
+from pdserve.cuda_streams import current_stream, device_index
+
 
 class HostStaging:
     def __init__(self, device: torch.device | str, num_buffers: int = 8):
         self.device = torch.device(device)
+        self._device_index = device_index(self.device) if self.device.type == "cuda" else -1
         self._buffers: list[Optional[torch.Tensor]] = [None] * num_buffers  # pinned uint8, grown on demand
         self._events: list[Optional[torch.cuda.Event]] = [None] * num_buffers  # passed: copies out of it are done
         self._next = 0
@@ -37,7 +40,7 @@ class HostStaging:
             event = self._events[self._last]
             if event is None:
                 event = self._events[self._last] = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+            event.record(current_stream(self._device_index))
         i = self._next
         self._next, self._last = (i + 1) % len(self._buffers), i
         if self._events[i] is not None:

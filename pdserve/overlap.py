@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pdserve.cuda_streams import current_stream
 from pdserve.kv_cache import PageAllocator
 from pdserve.request import Request
 
@@ -52,7 +53,7 @@ class LaunchedDecode:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(current_stream(tokens.device.index))
         else:
             host, copied = tokens, None
         # Each row wrote position num_tokens - 1, its request's last token (before the placeholder below).
