@@ -39,7 +39,9 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              bench_prefill_stages.py on the V3 slice's 2048-token prompt (the same step in one process) (~5 min;
              extra args go to bench_serving.py, e.g. --speculative-num-steps 3 for the NextN hand-over's points)
   profile    py-spy on the decode worker and the router while pdserve bench drives pdserve up (demo model) at
-             concurrency 32 and 1: where the stack's host time goes (~2 min; needs py-spy in .whl/)
+             concurrency 32 and 1: where the stack's host time goes (~2 min; needs py-spy in .whl/; extra args go
+             to pdserve up, e.g. --speculative-algorithm NEXTN; PROFILE_NATIVE=1: native stacks, which pause the
+             process per sample, and each thread's time waiting for the GIL, pyspy_summary.py --gil)
   kv-ipc     one GPU: the cuda_ipc KV-transfer tests, bench_kv_transfer.py --backend cuda_ipc (V3-slice and 61-layer
              KV, 2k and 16k tokens, against a device copy; tcp beside it), then TTFT at concurrency 1 through
              `pdserve up --device cuda` on the V3 slice, cuda_ipc vs tcp, layer-wise on and off, 1k/4k/16k
@@ -259,8 +261,10 @@ suite_profile() {  # profile.log, bench_c<C>.json, decode_c<C>.raw, router_c<C>.
   # py-spy sampling the decode worker and the router (the `up` process) meanwhile; summarized with
   # benchmarks/pyspy_summary.py. Needs py-spy in .whl/ (pip download --no-deps --only-binary=:all:
   # --platform manylinux_2_17_x86_64 -d .whl py-spy), installed with the other wheels.
-  local d=$1 port up dec c
+  local d=$1 port up dec c spy_flags="-r 250 -f raw --threads --nonblocking"
   shift
+  # Native stacks show where a thread waits for the GIL; py-spy must pause the process for them (fewer samples).
+  [ "${PROFILE_NATIVE:-0}" = 1 ] && spy_flags="-r 100 -f raw --threads --native --idle"
   command -v py-spy >/dev/null || export PATH=/tmp/site/bin:$PATH
   command -v py-spy >/dev/null || { echo "profile needs py-spy (see the comment above suite_profile)"; FAILED=1; return; }
   port=$((51100 + RANDOM % 1000))
@@ -274,13 +278,14 @@ suite_profile() {  # profile.log, bench_c<C>.json, decode_c<C>.raw, router_c<C>.
       --max-concurrency "$c" --no-progress --json "$d/bench_c$c.json" >"/tmp/profile_bench_c$c.txt" 2>&1 &
     local b=$!
     sleep 3
-    py-spy record -p "$dec" -d 8 -r 250 -f raw --threads --nonblocking -o "$d/decode_c$c.raw" >/dev/null 2>&1 &
+    py-spy record -p "$dec" -d 8 $spy_flags -o "$d/decode_c$c.raw" >/dev/null 2>&1 &
     local spy=$!
-    py-spy record -p "$up" -d 8 -r 250 -f raw --threads --nonblocking -o "$d/router_c$c.raw" >/dev/null 2>&1
+    py-spy record -p "$up" -d 8 $spy_flags -o "$d/router_c$c.raw" >/dev/null 2>&1
     wait "$spy"  # its file is written when it exits
     wait "$b"
     tail -20 "/tmp/profile_bench_c$c.txt"
     python3 benchmarks/pyspy_summary.py "$d/decode_c$c.raw" --top 25
+    [ "${PROFILE_NATIVE:-0}" = 1 ] && python3 benchmarks/pyspy_summary.py "$d/decode_c$c.raw" --gil --within LLMEngine.step
   done
   kill -INT "$up"; wait "$up"
 }
