@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+from typing import Iterator
 
 
-def parse(path: str, thread: str | None) -> tuple[int, collections.Counter, collections.Counter, collections.Counter]:
-    total, threads, inclusive, self_time = 0, collections.Counter(), collections.Counter(), collections.Counter()
+def stacks(path: str, thread: str | None) -> Iterator[tuple[list[str], int]]:
+    """(frames, samples) per line of the raw file, frames[0] the thread; only threads whose name contains `thread`."""
     with open(path) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
@@ -37,13 +38,18 @@ def parse(path: str, thread: str | None) -> tuple[int, collections.Counter, coll
             except ValueError:
                 continue  # a frame name with a space in it broke the line: py-spy's raw format allows that
             frames = stack.split(";")
-            if thread and thread not in frames[0]:
-                continue
-            total += n
-            threads[frames[0]] += n
-            for frame in set(frames[1:]):  # a recursive frame counts once per sample
-                inclusive[frame] += n
-            self_time[frames[-1]] += n
+            if not thread or thread in frames[0]:
+                yield frames, n
+
+
+def parse(path: str, thread: str | None) -> tuple[int, collections.Counter, collections.Counter, collections.Counter]:
+    total, threads, inclusive, self_time = 0, collections.Counter(), collections.Counter(), collections.Counter()
+    for frames, n in stacks(path, thread):
+        total += n
+        threads[frames[0]] += n
+        for frame in set(frames[1:]):  # a recursive frame counts once per sample
+            inclusive[frame] += n
+        self_time[frames[-1]] += n
     return total, threads, inclusive, self_time
 
 
@@ -56,22 +62,15 @@ def gil_waits(path: str, thread: str | None, within: str | None = None
     """Per thread: samples and samples waiting for the GIL; and the Python frames the waits happened under.
     within: only samples with a frame containing this text (e.g. a step function)."""
     samples, waits, where = collections.Counter(), collections.Counter(), collections.Counter()
-    with open(path) as f:
-        for line in f:
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            try:
-                n = int(count)
-            except ValueError:
-                continue
-            frames = stack.split(";")
-            if (thread and thread not in frames[0]) or (within and not any(within in x for x in frames[1:])):
-                continue
-            samples[frames[0]] += n
-            python = [i for i, x in enumerate(frames) if ".py:" in x]
-            native_tail = frames[python[-1] + 1:] if python else frames[1:]
-            if any(GIL_WAIT in x for x in native_tail) and not any(LOCK_WAIT in x for x in native_tail):
-                waits[frames[0]] += n
-                where[frames[python[-1]] if python else "(no Python frame)"] += n
+    for frames, n in stacks(path, thread):
+        if within and not any(within in x for x in frames[1:]):
+            continue
+        samples[frames[0]] += n
+        python = [i for i, x in enumerate(frames) if ".py:" in x]
+        native_tail = frames[python[-1] + 1:] if python else frames[1:]
+        if any(GIL_WAIT in x for x in native_tail) and not any(LOCK_WAIT in x for x in native_tail):
+            waits[frames[0]] += n
+            where[frames[python[-1]] if python else "(no Python frame)"] += n
     return samples, waits, where
 
 
