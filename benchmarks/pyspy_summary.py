@@ -17,7 +17,7 @@ on a condition variable would count too.) A torch op releases the GIL and takes 
 that shares its process with an event loop shows its waits spread over the ops of its step.
 
     py-spy record -p PID -d 8 -r 100 -f raw --threads --native --idle -o decode.raw
-    python benchmarks/pyspy_summary.py decode.raw --gil [--thread decode-engine] [--within LLMEngine.step]
+    python benchmarks/pyspy_summary.py decode.raw --gil [--thread decode-engine] [--within "step (pdserve/engine.py"]
 """
 
 from __future__ import annotations

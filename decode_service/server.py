@@ -1,36 +1,33 @@
-"""The decode worker process: gRPC DecodeWorker service over a DecodeEngine running on its own thread, plus the KV
-receiver that prefill workers stream into."""
+"""The decode worker process: the gRPC DecodeWorker service (Reserve, DecodeStream) over the worker's engine side
+(engine_side.py: the engine, its thread, and the KV receiver prefill workers stream into), on a thread of this
+process or in an engine process of its own (--engine-process)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import threading
-import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 
 from pdserve.common.trace import mark
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_transfer import check_transport_device
 from pdserve.serving.auth import SecurityConfig, internal_auth
-from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, StepHooks
-from pdserve.gpu_clock import ReplayClock
-from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.engine_link import EngineOnThread, EngineProcess
 from pdserve.serving.grpc_shell import (
-    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
+    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving, stop_on_signals,
 )
-from pdserve.kv_transfer import RequestReceiver, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
 from pdserve.serving.rpc_convert import layout_to_proto, sampling_from_proto
+from pdserve.serving.worker_common import WorkerControl, WorkerIdentity
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
-from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread
 
-from .engine import DecodeEngine
-from .pacing import StepPacer
+from .engine_side import DecodeEngineSide, DecodeSideInfo, build_in_engine_process
 from .streams import Connection, StreamHub
 
 log = logging.getLogger(__name__)
@@ -69,164 +66,33 @@ class DecodeWorkerConfig:
 
 
 class DecodeWorker:
-    def __init__(self, config: DecodeWorkerConfig, identity: WorkerIdentity, metrics: Metrics,
-                 core: Optional[LLMEngine] = None):
+    """The decode worker's gRPC side: the streams of the requests reserved here, over an engine side
+    (engine_side.py) reached through `engine`, a link (pdserve/serving/engine_link.py): on a thread of this process,
+    or in a process of its own."""
+
+    def __init__(self, config: DecodeWorkerConfig, identity: WorkerIdentity, metrics: Metrics, engine):
         self.config, self.identity, self.metrics = config, identity, metrics
-        self.core = core or LLMEngine(config.engine)
-        if config.test_hook_slow_first_forward_s:
-            slow_first_forward(self.core, config.test_hook_slow_first_forward_s)
-        self.warmup_report: Optional[WarmupReport] = None
-        self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)  # the pool's: what pairing checks
-        # Without speculation nothing reads the NextN/MTP layer's KV: requests ask the prefill worker for the main
-        # model's layers only (ReserveResponse.skip_mtp_kv), sparing it a whole layer's prompt pass.
-        self.skip_mtp_kv = self.core.model.has_mtp_weights and self.core.speculator is None
+        self.engine = engine
+        info: DecodeSideInfo = engine.wait_ready(config.warmup)  # model load and warm-up: ready means ready
+        self.layout, self.kv_endpoint, self.skip_mtp_kv = info.layout, info.kv_endpoint, info.skip_mtp_kv
+        self.model, self.warmup_report, self.last_load = info.model, info.warmup, info.load
         # Request id -> where its outputs go (a router's DecodeStream call); touched only on the event loop.
         self.streams = StreamHub(metrics, on_attached=self._attached, on_detached=self._detached)
         self.drain: Optional[Drain] = None  # attached requests count as work in flight for a graceful drain
-        self.aio_loop: Optional[asyncio.AbstractEventLoop] = None
-        # Receiver callbacks run on its threads: they only queue work for the engine thread.
-        self.receiver = RequestReceiver(
-            TRANSPORTS.get(config.kv_transport).receiver, self.layout, host=config.kv_host, port=config.kv_port,
-            on_layer=lambda rid, layer, slots, values: self.loop.submit(
-                lambda: self.engine.kv_layer(rid, layer, slots, values)),
-            on_done=self._kv_arrived,
-            on_failed=lambda rid, err: self.loop.submit(lambda: self.engine.kv_failed(rid, err)),
-            timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
-            max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size,
-            kv_buffer=self.core.pool.kv)  # nccl/gloo/cuda_ipc write straight into the pool's pages; tcp too
-        self.engine = DecodeEngine(self.core, self.receiver,
-                                   self.core.model_config.num_hidden_layers if self.skip_mtp_kv
-                                   else self.layout.num_kv_layers,
-                                   on_output=self._output, on_failed=self._failed,
-                                   max_queued=config.max_queued_requests)
-        # A speculative round's outputs, held until the next round waits for the GPU (see _step).
-        self._unsent: list[RequestOutput] = []
-        if self.core.speculator is not None:
-            self.core.hooks = _SendWhileWaiting(self)
-        self.pacer = StepPacer(config.min_step_interval_s, config.gpu_share_while_prefilling)
-        self.clock = self._replay_clock() if config.gpu_share_while_prefilling < 1 else None
-        self._held_since: Optional[float] = None  # pacing: when the step to come was first held back
-        self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
-                               on_error=self._step_failed, hold=self._hold if self._paces() else None,
-                               idle=self.send_unsent)
-        self.last_load = self.load()  # read here, before the engine thread starts
+        self.engine_gone: Optional[str] = None  # why, once the engine process has exited
 
-    def _paces(self) -> bool:
-        """Whether a step can ever be held back: a fixed interval, or a share with graph replays to time (a CPU
-        engine given a share, as `pdserve up` passes it everywhere, has none)."""
-        return self.config.min_step_interval_s > 0 or self.clock is not None
+    def start(self, loop: asyncio.AbstractEventLoop, on_engine_gone: Callable[[], None] = lambda: None) -> None:
+        def gone(why: str) -> None:
+            log.error("%s: failing the requests on this worker and stopping it", why)
+            self.engine_gone = why
+            self.streams.fail_all(ServiceError(grpc.StatusCode.UNAVAILABLE, "the decode worker's engine exited"))
+            on_engine_gone()
 
-    def _replay_clock(self) -> Optional[ReplayClock]:
-        """Times this engine's CUDA graph replays (the GPU share's measure); None without graphs (a CPU engine, or
-        graphs off): its steps then have no known GPU time and the share holds nothing back."""
-        runners = [r for r in (self.core.runner.graphs, self.core.runner.mtp_graphs) if r is not None]
-        if not runners:
-            return None
-        clock = ReplayClock()
-        for runner in runners:
-            runner.clock = clock
-        return clock
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.aio_loop = loop
-        self.loop.start()
-
-    def _kv_arrived(self, request_id: str, aux: dict) -> None:
-        """The receiver's thread: a prompt's KV and aux record are in; the engine thread admits the request."""
-        mark("decode.kv_arrived", request_id)
-
-        def admit() -> None:
-            self.loop.submit(lambda: self.engine.kv_done(request_id, aux))
-
-        delay = self.config.test_hook_slow_kv_arrival_s
-        if delay:
-            threading.Timer(delay, admit).start()
-        else:
-            admit()
-
-    # ---- engine thread ------------------------------------------------------------------------------------------
-    def _hold(self) -> float:
-        """Seconds the next step waits (decode_service/pacing.py). Only while requests reserved here still wait for
-        their KV, i.e. prompts are being prefilled for this worker; with none on its way the steps run back to
-        back."""
-        if not self.engine.pending:
-            return 0.0
-        now = time.monotonic()
-        wait = self.pacer.wait(now)
-        if wait > 0:
-            self.send_unsent()  # no round runs meanwhile to send them from
-            if self._held_since is None:
-                self._held_since = now
-        return wait
-
-    def _step(self) -> None:
-        now = time.monotonic()
-        self.pacer.started(now)
-        if self._held_since is not None:
-            self.metrics.count(self.metrics.step_hold_seconds, now - self._held_since)
-            self._held_since = None
-        rows = len(self.core.scheduler.running)
-        outputs = self.engine.step()
-        if self.clock is not None:  # charged as the step it will be once the prompts on their way have joined
-            self.pacer.launched(self.clock.take_launched(scale=(rows + len(self.engine.pending)) / max(rows, 1)))
-            replays = self.clock.take_completed()
-            self.pacer.replays_completed(replays)
-            for seconds, fastest in replays:
-                self.metrics.replay_stretch.observe(seconds / fastest)
-        self.send_unsent()  # held from the round before, if this step had no device wait to send them from
-        # One hand-off to the event loop per step, not one per request. With speculation the next round's one
-        # device-to-host read is a wait with nothing else to do (no overlap scheduling there): handed off from it
-        # (_SendWhileWaiting), the event loop's work for these tokens (their messages, the stream writes) runs while
-        # the GPU verifies, and no longer holds the GIL between two rounds when the engine thread wants it back.
-        if outputs and self.core.speculator is not None and self.engine.has_work:
-            self._unsent = outputs
-        elif outputs:
-            self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)
-        self._update_gauges()
-
-    def send_unsent(self) -> None:
-        """Engine thread: hand the held outputs to the event loop."""
-        if self._unsent:
-            outputs, self._unsent = self._unsent, []
-            self.aio_loop.call_soon_threadsafe(self._deliver_all, outputs)
-
-    def _update_gauges(self) -> None:
-        sched, alloc = self.core.scheduler, self.core.pool.allocator
-        self.metrics.running.set(len(sched.running))
-        self.metrics.queue_length.set(self.engine.num_transferring)
-        self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
+        self.engine.start(loop, self.streams.deliver, self.streams.fail_all, gone)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request on the engine thread (`drop`)."""
-        self.loop.submit(lambda: self.drop(request_id))
-
-    def drop(self, request_id: str) -> None:
-        """Engine thread: the request goes; the gauges follow at once (an idle engine runs no step that would
-        refresh them)."""
-        self.engine.abort(request_id)
-        self._update_gauges()
-
-    def _output(self, out: RequestOutput) -> None:
-        mark("decode.first_output", out.request_id)  # (only a request's first token comes this way)
-        self.aio_loop.call_soon_threadsafe(self._deliver, out.request_id, out)
-
-    def _failed(self, request_id: str, error: Exception) -> None:
-        kind = getattr(error, "kind", "protocol")
-        transport = getattr(error, "transport", None) or self.config.kv_transport  # the pairing's, where known
-        self.metrics.count(self.metrics.transfer_failures, kind=kind, transport=transport)
-        self.aio_loop.call_soon_threadsafe(self._deliver, request_id, error)
-
-    def _step_failed(self, error: BaseException) -> None:
-        self.send_unsent()  # (tokens of the round before, emitted before the failure)
-        err = ServiceError(grpc.StatusCode.INTERNAL, "decode step failed (the decode worker's log has the details)")
-        self.aio_loop.call_soon_threadsafe(self.streams.fail_all, err)
-
-    # ---- event loop -------------------------------------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
-        self.streams.deliver([(request_id, item)])
-
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        self.streams.deliver([(out.request_id, out) for out in outputs])
+        """Drop a request on the engine side (its pages go, its gauges follow)."""
+        self.engine.tell("drop", request_id)
 
     def _attached(self, request_id: str) -> None:
         if self.drain is not None:
@@ -239,32 +105,30 @@ class DecodeWorker:
             self.metrics.count(self.metrics.requests, outcome="aborted")
             self.abort(request_id)
 
-    def load(self) -> pb.WorkerLoad:
-        sched, alloc = self.core.scheduler, self.core.pool.allocator
-        return pb.WorkerLoad(num_running_requests=len(sched.running), num_waiting_requests=len(sched.waiting),
-                             num_free_pages=alloc.num_free, num_total_pages=alloc.num_pages,
-                             num_transferring=self.engine.num_transferring)
-
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(worker_id=self.identity.worker_id, role=pb.WORKER_ROLE_DECODE,
                              address=self.identity.address, layout=layout_to_proto(self.layout),
-                             model=gen_pb.ModelInfo(**model_info(self.core)), kv_endpoint=self.receiver.endpoint)
+                             model=gen_pb.ModelInfo(**self.model), kv_endpoint=self.kv_endpoint)
 
 
-class _SendWhileWaiting(StepHooks):
-    """The decode worker's step hooks under speculation: the last round's outputs go to the event loop while the
-    next round waits for the GPU."""
-
-    def __init__(self, worker: DecodeWorker):
-        self.worker = worker
-
-    def before_device_wait(self) -> None:
-        self.worker.send_unsent()
+def decode_engine(config: DecodeWorkerConfig, metrics: Metrics, in_process: bool, setup=None,
+                  core: Optional[LLMEngine] = None):
+    """The link to a decode worker's engine side: in an engine process of its own (`in_process`; `setup()` runs
+    there first), or on a thread of this one (over `core` when given)."""
+    if in_process:
+        return EngineProcess(functools.partial(build_in_engine_process, config), "decode-engine", metrics, setup)
+    return EngineOnThread(DecodeEngineSide(config, metrics, core))
 
 
 class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.w = worker
+
+    def engine_abort(self, request_id: str) -> asyncio.Future:
+        return self.w.engine.call("abort", request_id)
+
+    def engine_load(self) -> asyncio.Future:
+        return self.w.engine.call("load")
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         w = self.w
@@ -277,14 +141,18 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             ids = list(request.input_ids)
             rid = request.request_id
             mark("decode.reserve", rid)
-            t = await on_engine_thread(w.loop, lambda: w.engine.reserve(rid, ids, params), lambda: w.drop(rid))
+            try:
+                t = await w.engine.call("reserve", rid, ids, params)
+            except asyncio.CancelledError:  # the call ended: the reservation, made or not, goes after it
+                w.abort(rid)
+                raise
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)
         # Registered before any output can exist: outputs are produced only after the KV arrives.
-        stream = w.streams.open(t.request_id)
+        stream = w.streams.open(rid)
         asyncio.get_running_loop().call_later(RESERVATION_ATTACH_S, self._release_unattached, stream)
-        return pb.ReserveResponse(room=t.room, kv_endpoint=w.receiver.endpoint, dst_pages=t.pages,
+        return pb.ReserveResponse(room=t.room, kv_endpoint=w.kv_endpoint, dst_pages=t.pages,
                                   layout=layout_to_proto(w.layout), skip_mtp_kv=w.skip_mtp_kv)
 
     async def DecodeStream(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -328,10 +196,8 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
 
 
 async def serve_decode(worker: DecodeWorker, ready=None) -> None:
-    """Warm up, then run the worker until SIGTERM/SIGINT, then drain: no new reservations, streams in flight
-    finish. The port opens only after the warm-up: ready means ready."""
-    if worker.config.warmup:
-        worker.warmup_report = warm_up_worker(worker.core, "decode")
+    """Run the worker (built and warmed up: ready means ready) until SIGTERM/SIGINT, or until its engine process
+    exits, then drain: no new reservations, streams in flight finish."""
     sec = worker.config.security
     # Work in flight for the drain: Reserve calls, and each request attached to a DecodeStream call.
     worker.drain = Drain(tracked={"Reserve"}, refused={"Reserve", "GetLoad"})
@@ -340,13 +206,9 @@ async def serve_decode(worker: DecodeWorker, ready=None) -> None:
                                  lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), s),
                                  interceptors=internal_auth(sec), drain=worker.drain,
                                  credentials=sec.server_credentials())
-    worker.start(asyncio.get_running_loop())
+    stop = stop_on_signals()
+    worker.start(asyncio.get_running_loop(), on_engine_gone=stop.set)
     await start_serving(server)
     if ready is not None:
         ready(port)
-
-    async def stop() -> None:
-        worker.loop.stop()
-        worker.receiver.close()
-
-    await serve_until_signal(server, worker.config.drain_timeout_s, stop)
+    await serve_until_signal(server, worker.config.drain_timeout_s, worker.engine.stop, stop=stop)

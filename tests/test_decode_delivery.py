@@ -1,4 +1,4 @@
-"""When a decode worker hands its tokens to the event loop (DecodeWorker._step, StepHooks.before_device_wait).
+"""When a decode worker's engine side hands its tokens over (DecodeEngineSide._step, StepHooks.before_device_wait).
 
 Without speculation the overlap scheduler already hands a step's tokens over while the GPU runs the next step. A
 speculative round has no such overlap: its one device-to-host read is a plain wait. So a round's outputs are held
@@ -16,10 +16,10 @@ from pdserve.gpu_clock import ReplayClock
 from pdserve.kv_cache import CacheConfig
 from pdserve.sampling import SamplingParams
 from pdserve.serving.metrics import Metrics
-from pdserve.serving.worker_common import WorkerIdentity
 from pdserve.spec_decode import SpeculativeConfig
 
-from decode_service.server import DecodeWorker, DecodeWorkerConfig
+from decode_service.engine_side import DecodeEngineSide
+from decode_service.server import DecodeWorkerConfig
 
 NEXTN = SpeculativeConfig("NEXTN", num_steps=3)
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport"]
@@ -31,15 +31,24 @@ def config(model_dir, speculative: SpeculativeConfig = SpeculativeConfig()) -> E
                         speculative=speculative)
 
 
-class RecordingLoop:
-    """Stands for the worker's event loop: records each hand-off, and whether a round's device wait made it."""
+class RecordingOutbox:
+    """Stands for the side's outbox: records each hand-off, and whether a round's device wait made it."""
 
     def __init__(self):
         self.in_wait = False
         self.handoffs: list[tuple[bool, list]] = []  # (from a device wait, outputs)
 
-    def call_soon_threadsafe(self, fn, outputs) -> None:
-        self.handoffs.append((self.in_wait, outputs))
+    def deliver(self, items) -> None:
+        self.handoffs.append((self.in_wait, [out for _, out in items]))
+
+    def flush(self) -> None:
+        pass
+
+
+def side(model_dir, speculative: SpeculativeConfig = SpeculativeConfig()) -> DecodeEngineSide:
+    s = DecodeEngineSide(DecodeWorkerConfig(config(model_dir, speculative), warmup=False), Metrics.create("decode"))
+    s.outbox = RecordingOutbox()
+    return s
 
 
 def test_a_speculating_decode_worker_hands_a_rounds_tokens_over_during_the_next_rounds_device_wait(
@@ -48,9 +57,8 @@ def test_a_speculating_decode_worker_hands_a_rounds_tokens_over_during_the_next_
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in LENGTHS]
     want = {i: o.output_ids for i, o in enumerate(engine.generate([engine.encode(p) for p in PROMPTS], params))}
 
-    worker = DecodeWorker(DecodeWorkerConfig(config(trained_model_dir, NEXTN), warmup=False),
-                          WorkerIdentity("decode-test", "decode", "127.0.0.1:0"), Metrics.create("decode"))
-    loop = worker.aio_loop = RecordingLoop()
+    worker = side(trained_model_dir, NEXTN)
+    loop = worker.outbox
     hooks, send = worker.core.hooks, worker.core.hooks.before_device_wait
 
     def waiting() -> None:  # the round's read is about to block: what the worker sends now runs behind the GPU
@@ -62,7 +70,7 @@ def test_a_speculating_decode_worker_hands_a_rounds_tokens_over_during_the_next_
     ids = {worker.core.add_request(worker.core.encode(p), sp): i for i, (p, sp) in enumerate(zip(PROMPTS, params))}
     while worker.engine.has_work:
         worker._step()
-    worker.send_unsent()  # what the engine loop's idle call does: nothing may be left by then
+    worker._idle()  # what the engine loop calls when it finds no work: nothing may be left by then
     assert not worker._unsent
 
     got: dict[int, list[int]] = {i: [] for i in want}
@@ -80,10 +88,9 @@ def test_a_speculating_decode_worker_hands_a_rounds_tokens_over_during_the_next_
 
 def test_without_speculation_a_step_hands_its_tokens_over_at_once(tiny_v3_dir):
     """The overlap scheduler's steps already overlap the hand-off with the GPU: nothing is held."""
-    worker = DecodeWorker(DecodeWorkerConfig(config(tiny_v3_dir), warmup=False),
-                          WorkerIdentity("decode-test", "decode", "127.0.0.1:0"), Metrics.create("decode"))
+    worker = side(tiny_v3_dir)
     assert type(worker.core.hooks) is StepHooks
-    loop = worker.aio_loop = RecordingLoop()
+    loop = worker.outbox
     worker.core.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True))
     steps = 0
     while worker.engine.has_work:

@@ -101,20 +101,27 @@ LOAD_WAIT_S = 0.05  # GetLoad waits this long for the engine thread, then answer
 
 
 class WorkerControl:
-    """The RPCs both worker services share (Abort, GetLoad, GetWorkerInfo), over `self.w`: a worker with an
-    engine loop, an engine with abort(request_id), load() and info()."""
+    """The RPCs both worker services share (Abort, GetLoad, GetWorkerInfo), over `self.w`: a worker whose engine
+    thread runs `engine_abort` and `engine_load` (by default through its EngineLoop `loop`: an engine with
+    abort(request_id), and the worker's load()), and with info()."""
+
+    def engine_abort(self, request_id: str) -> "asyncio.Future":
+        return asyncio.wrap_future(self.w.loop.submit(lambda: self.w.engine.abort(request_id)))
+
+    def engine_load(self) -> "asyncio.Future":
+        return asyncio.wrap_future(self.w.loop.submit(self.w.load))
 
     async def Abort(self, request, context):
         from pdserve.v1 import worker_pb2 as pb
 
-        found = await asyncio.wrap_future(self.w.loop.submit(lambda: self.w.engine.abort(request.request_id)))
+        found = await self.engine_abort(request.request_id)
         return pb.AbortResponse(found=found)
 
     async def GetLoad(self, request, context):
         # NOTE: the router's heartbeat. It drops a worker whose GetLoad times out, so the answer must not wait
         # behind a long engine step (a kernel compile, a long prompt): the engine thread reads the load between two
         # steps, and if it does not within LOAD_WAIT_S, the last load it read answers.
-        fresh = asyncio.wrap_future(self.w.loop.submit(self.w.load))
+        fresh = self.engine_load()
         try:
             self.w.last_load = await asyncio.wait_for(asyncio.shield(fresh), LOAD_WAIT_S)
         except asyncio.TimeoutError:
