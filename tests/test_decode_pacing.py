@@ -113,14 +113,15 @@ class AThenB:
     waiting: list[float]  # ... while B's KV was held back (its first 0.3 s and last 0.1 s left out)
 
 
-def a_then_b(stack, a_tokens: int, kv_delay_s: float, timeout_s: float = 60.0) -> AThenB:
-    """Request A (PROMPTS[0], a_tokens greedy tokens) decodes alone a while; then B (PROMPTS[2]) is reserved on the
-    same decode worker, its KV held back kv_delay_s by the stack's test hook (which holds A's own KV back too)."""
+def a_then_b(stack, a_tokens: int, kv_delay_s: float, timeout_s: float = 60.0, alone_s: float = 0.5) -> AThenB:
+    """Request A (PROMPTS[0], a_tokens greedy tokens) decodes alone about alone_s; then B (PROMPTS[2]) is reserved on
+    the same decode worker, its KV held back kv_delay_s by the stack's test hook (which holds A's own KV back too).
+    A must still be decoding 0.3 s after B was sent (`waiting` starts there): a_tokens at the worker's pace."""
     long = dataclasses.replace(GREEDY, max_new_tokens=a_tokens)  # still decoding when B's KV arrives
     with ThreadPoolExecutor(2) as pool:
         a_sent = time.monotonic()
         a = pool.submit(timed_chunks, stack.router.address, PROMPTS[0], long)
-        time.sleep(kv_delay_s + 0.5)  # A's own KV is held back too; then it decodes alone a while
+        time.sleep(kv_delay_s + alone_s)  # A's own KV is held back too; then it decodes alone a while
         b_sent = time.monotonic()
         b = pool.submit(timed_chunks, stack.router.address, PROMPTS[2], GREEDY)
         a_chunks, a_ids = a.result(timeout=timeout_s)

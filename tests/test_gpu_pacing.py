@@ -139,7 +139,9 @@ def test_a_decode_worker_with_the_gpu_to_itself_holds_nothing_back_for_a_prompt_
                         decode_args=["--gpu-share-while-prefilling", str(share),
                                      "--test-hook-slow-kv-arrival", str(kv_delay_s)])
     try:
-        run = a_then_b(stack, 1800, kv_delay_s, timeout_s=120)
+        # A's 1800 tokens (the model's context allows no more) take ~0.75 s at the H200's ~0.42 ms each: 0.15 s
+        # alone leaves it decoding through the first half of B's wait (after 0.5 s alone it had finished once).
+        run = a_then_b(stack, 1800, kv_delay_s, timeout_s=120, alone_s=0.15)
         held_s = metric(stack.decode[0].metrics_port, "pdserve_decode_step_hold_seconds_total")
         replays = metric(stack.decode[0].metrics_port, "pdserve_decode_replay_stretch_count")
     finally:
