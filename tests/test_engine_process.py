@@ -136,16 +136,19 @@ def test_greedy_tokens_through_an_engine_process_are_the_single_process_engines(
 
 
 @pytest.mark.slow
-def test_health_and_load_answer_while_the_engine_process_is_in_a_slow_forward(trained_model_dir, tmp_path):
+def test_health_and_load_answer_while_the_engine_process_is_in_a_slow_forward_and_a_stop_ends_it(trained_model_dir,
+                                                                                                  tmp_path):
     stack = start_stack(trained_model_dir, tmp_path, engine_args=["--skip-warmup"],
                         decode_args=["--engine-process", "on", "--test-hook-slow-first-forward", "4"],
                         router_args=["--skip-warmup"])
+    decode = stack.decode[0]
     try:
+        child = engine_process_of(decode.popen.pid)
         done = threading.Event()
         threading.Thread(target=lambda: (generate(stack.router.address, [5, 6, 7, 8], SamplingParams(
             max_new_tokens=3, ignore_eos=True)), done.set()), daemon=True).start()
         time.sleep(1.0)  # the prompt was prefilled; the decode engine is in its first forward now
-        decode, worst = stack.decode[0], 0.0
+        worst = 0.0
         with grpc.insecure_channel(decode.address) as ch:
             health, worker = health_pb2_grpc.HealthStub(ch), pb_grpc.DecodeWorkerStub(ch)
             for _ in range(5):
@@ -159,6 +162,12 @@ def test_health_and_load_answer_while_the_engine_process_is_in_a_slow_forward(tr
         assert done.wait(30)
     finally:
         stack.stop()
+    # A stopped worker (SIGTERM: its drain, then its engine process told to stop) leaves no engine process.
+    assert decode.popen.returncode == 0
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
 
 
 @pytest.mark.slow
@@ -189,16 +198,3 @@ def test_a_dead_engine_process_fails_its_requests_and_stops_the_worker(trained_m
         assert "engine" in decode.log() and "exited" in decode.log()
     finally:
         stack.stop()
-
-
-@pytest.mark.slow
-def test_a_stopped_worker_leaves_no_engine_process(trained_model_dir, tmp_path):
-    stack = start_stack(trained_model_dir, tmp_path, decode_args=["--engine-process", "on"])
-    decode = stack.decode[0]
-    child = engine_process_of(decode.popen.pid)
-    stack.stop()
-    assert decode.popen.returncode == 0
-    deadline = time.monotonic() + 10
-    while alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(child)
