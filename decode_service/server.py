@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import grpc
 
 from pdserve.common.trace import mark
-from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine import EngineConfig
 from pdserve.kv_transfer import check_transport_device
 from pdserve.serving.auth import SecurityConfig, internal_auth
 from pdserve.serving.engine_link import EngineOnThread, EngineProcess
@@ -71,6 +71,7 @@ class DecodeWorker:
     or in a process of its own."""
 
     def __init__(self, config: DecodeWorkerConfig, identity: WorkerIdentity, metrics: Metrics, engine):
+        """Blocks until the engine side is built and warmed up (`decode_engine` makes `engine`)."""
         self.config, self.identity, self.metrics = config, identity, metrics
         self.engine = engine
         info: DecodeSideInfo = engine.wait_ready(config.warmup)  # model load and warm-up: ready means ready
@@ -111,13 +112,12 @@ class DecodeWorker:
                              model=gen_pb.ModelInfo(**self.model), kv_endpoint=self.kv_endpoint)
 
 
-def decode_engine(config: DecodeWorkerConfig, metrics: Metrics, in_process: bool, setup=None,
-                  core: Optional[LLMEngine] = None):
+def decode_engine(config: DecodeWorkerConfig, metrics: Metrics, in_process: bool, setup=None):
     """The link to a decode worker's engine side: in an engine process of its own (`in_process`; `setup()` runs
-    there first), or on a thread of this one (over `core` when given)."""
+    there first), or on a thread of this one."""
     if in_process:
         return EngineProcess(functools.partial(build_in_engine_process, config), "decode-engine", metrics, setup)
-    return EngineOnThread(DecodeEngineSide(config, metrics, core))
+    return EngineOnThread(DecodeEngineSide(config, metrics))
 
 
 class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
