@@ -108,8 +108,9 @@ class DecodeEngineSide:
         return clock
 
     def warm_up(self) -> None:
-        """Before the port opens (pdserve/serving/warmup.py): ready means ready."""
-        self.warmup_report = warm_up_worker(self.core, "decode")
+        """Before the port opens (pdserve/serving/warmup.py), unless the config skips it: ready means ready."""
+        if self.config.warmup:
+            self.warmup_report = warm_up_worker(self.core, "decode")
 
     def describe(self) -> DecodeSideInfo:
         return DecodeSideInfo(self.layout, self.receiver.endpoint, model_info(self.core), self.skip_mtp_kv,
@@ -235,8 +236,7 @@ class _SendWhileWaiting(StepHooks):
 
 
 def build_in_engine_process(config, metrics) -> DecodeEngineSide:
-    """An engine process's side (EngineProcess's `build`): built, then warmed up when the config says so."""
+    """An engine process's side (EngineProcess's `build`): built, then warmed up (when the config says so)."""
     side = DecodeEngineSide(config, metrics)
-    if config.warmup:
-        side.warm_up()
+    side.warm_up()
     return side

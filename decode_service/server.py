@@ -74,7 +74,7 @@ class DecodeWorker:
         """Blocks until the engine side is built and warmed up (`decode_engine` makes `engine`)."""
         self.config, self.identity, self.metrics = config, identity, metrics
         self.engine = engine
-        info: DecodeSideInfo = engine.wait_ready(config.warmup)  # model load and warm-up: ready means ready
+        info: DecodeSideInfo = engine.wait_ready()  # model load and warm-up: ready means ready
         self.layout, self.kv_endpoint, self.skip_mtp_kv = info.layout, info.kv_endpoint, info.skip_mtp_kv
         self.model, self.warmup_report, self.last_load = info.model, info.warmup, info.load
         # Request id -> where its outputs go (a router's DecodeStream call); touched only on the event loop.

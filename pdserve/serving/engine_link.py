@@ -73,14 +73,12 @@ class EngineOnThread:
 
     def __init__(self, side):
         self.side = side
-        self.info = None
 
-    def wait_ready(self, warm_up: bool):
-        """Warm the side up (on this thread, before the port opens) and describe it."""
-        if warm_up:
-            self.side.warm_up()
-        self.info = self.side.describe()
-        return self.info
+    def wait_ready(self):
+        """Warm the side up (on this thread, before the port opens; the side's config says whether) and describe
+        it."""
+        self.side.warm_up()
+        return self.side.describe()
 
     def start(self, aio_loop: asyncio.AbstractEventLoop, deliver: Callable[[Items], None],
               fail_all: Callable[[BaseException], None], on_exit: Callable[[str], None]) -> None:
@@ -209,16 +207,14 @@ class EngineProcess:
         self.process = ctx.Process(target=_engine_main, args=(build, child_conn, setup), name=name)
         self.process.start()
         child_conn.close()  # ours is closed: the child's recv sees EOF when this process goes
-        self.info = None
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._aio_loop: Optional[asyncio.AbstractEventLoop] = None
         self._deliver = self._fail_all = self._on_exit = None
 
-    def wait_ready(self, warm_up: bool = True):
+    def wait_ready(self):
         """Blocks until the engine process is built and warmed up (its own lines show its progress); its
         description. The process failing or exiting first raises RuntimeError with why."""
-        del warm_up  # (the engine process's build decides)
         while True:
             if self.conn.poll(0.5):
                 try:
@@ -226,8 +222,7 @@ class EngineProcess:
                 except EOFError:
                     msg = ("failed", None)
                 if msg[0] == "ready":
-                    self.info = msg[1]
-                    return self.info
+                    return msg[1]
                 self.process.join(10)
                 raise RuntimeError(f"the {self.name} process failed to start (exit code {self.process.exitcode})"
                                    + (f":\n{msg[1]}" if msg[1] else "; its output above says why"))
