@@ -43,6 +43,14 @@ launches per millisecond of GPU work), a ratio of two such numbers from two proc
 CPUs each landed on, by tens of percent between stacks on a virtual machine. The main table stays the first repeat's;
 a second one gives each ratio's median and range over the repeats (each repeat's stack against the engine run right
 after it), and the targets are then judged on those medians.
+
+--explain-ttft says where the c=1 TTFT goes, so that a missed TTFT target comes with its why: the stack runs traced
+(PDSERVE_TRACE: each process timestamps each request's points, a line per point, benchmarks/trace_report.py), and
+each c=1 run's first tokens are split into the router and its hop to the prefill engine, the live prefill step (to
+hold against the engine's prefill of the same prompts), the way back to the router's send, and the client's two hops
+(its TTFT less the router's send); and this host's bare gRPC message between two processes after an idle gap like
+the prefill worker's between two prompts is timed first (benchmarks/grpc_hop.py): four of those in a row are the
+floor of what the stack adds.
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ sys.path.insert(0, ROOT)
 
 DEMO_MODEL = os.path.join(ROOT, "models", "tiny-trained")
 
-from benchmarks import host_speed  # noqa: E402
+from benchmarks import grpc_hop, host_speed, trace_report  # noqa: E402
 from benchmarks.serving_report import markdown, summarize  # noqa: E402  (ROOT on the path first)
 
 
@@ -140,6 +148,7 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save, log_na
     """Fills `result` as it goes (save() after each measurement); each run's files go to `out`, what `up` printed to
     --out/<log_name> (default <name>_up.log)."""
     log_path = os.path.join(args.out, log_name or f"{name}_up.log")
+    trace_dir = os.path.join(out, "trace")  # with --explain-ttft
     t0 = time.monotonic()
     up = None
     try:
@@ -150,8 +159,10 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save, log_na
             cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--no-http", "--metrics-port", "0",
                    *engine_flags(args, model), *args.up_arg]
             log(f"{name}: starting the stack: {shlex.join(cmd[1:])}")
-            up = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if args.explain_ttft:  # every process of the stack timestamps each request's points
+                env["PDSERVE_TRACE"] = trace_dir
+            up = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
             result["command"] = shlex.join(["python", *cmd[1:]])
             try:
                 result.update(tail_until_up(up, log_path, args.start_timeout))
@@ -172,6 +183,7 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save, log_na
                      "--max-concurrency", str(c), "--seed", str(i), "--json", path, "--no-progress"]
             t = time.monotonic()
             before = worker_stats(log_path)
+            since_ns = time.monotonic_ns()
             proc = subprocess.run(bench, cwd=ROOT, capture_output=True, text=True, timeout=args.bench_timeout)
             if proc.returncode != 0 or not os.path.isfile(path):
                 raise RuntimeError(f"pdserve bench failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
@@ -180,6 +192,9 @@ def run_stack(args, name: str, model: dict, out: str, result: dict, save, log_na
                 r = json.load(f)
             r.update(concurrency=c, seed=i, command=shlex.join(["pdserve", *bench[3:]]),
                      **stats_since(before, worker_stats(log_path)))
+            if args.explain_ttft and c == 1:  # (the trace files are line-buffered: complete once bench is done)
+                r["ttft_parts"] = trace_report.ttft_parts(trace_report.load(trace_dir), since_ns, time.monotonic_ns())
+                log(f"{name}: c=1: where the first token's time went (medians): {r['ttft_parts']}")
             result["runs"].append(r)
             save()
             log(f"{name}: c={c}: {r['completed']}/{n} ok, {r['failed']} failed {r['errors_by_status'] or ''}, "
@@ -243,6 +258,10 @@ def stats_since(before: Optional[dict], after: Optional[dict]) -> dict:
             "accept_length": mean_of("pdserve_spec_accept_length"),
             "replay_stretch": mean_of("pdserve_decode_replay_stretch")}
 
+
+# The idle gap before each timed gRPC message with --explain-ttft: about the demo model's decode between two prompts
+# at c=1, during which the prefill worker waits for its next prompt.
+HOP_IDLE_S = 0.11
 
 PROMPTS_ONLY_SEED = 100  # the prompts-only run's prompts, the same on both sides (none shared with the other runs)
 
@@ -462,6 +481,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="fresh stack, then the engine alone, this many times per model: each ratio's median and "
                         "range, the targets judged on the medians (host-bound ratios move between stacks)")
+    p.add_argument("--explain-ttft", action="store_true",
+                   help="say where the c=1 TTFT goes: the stack traced (PDSERVE_TRACE, per-request marks) and its "
+                        "first tokens' time split between the router, the prefill step and the hops; and this host's "
+                        "bare gRPC message between two processes after an idle gap (benchmarks/grpc_hop.py)")
+    p.add_argument("--hop-calls", type=int, default=30, help="with --explain-ttft: gRPC messages timed per kind")
     p.add_argument("--start-timeout", type=float, default=400.0)
     p.add_argument("--bench-timeout", type=float, default=400.0, help="seconds per pdserve bench / engine run")
     # Internal: the engine-alone child process.
@@ -470,8 +494,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("engine_flags", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.repeats < 1:
-        p.error("--repeats: at least 1")
+    if args.repeats < 1 or args.hop_calls < 1:
+        p.error("--repeats and --hop-calls: at least 1")
     # The engine runs c prompts at once at batch c: a stack sent fewer would never hold c requests, and the two
     # sides would not compare.
     top = max([*args.concurrency, args.prompts_only_concurrency])
@@ -491,6 +515,10 @@ def main() -> None:
     # The CPUs' speed spread at the start and the end: host-bound numbers (the demo model's) move with it.
     result["host_speed"] = {"start": host_speed.summary(host_speed.per_cpu_loop_ms())}
     log(f"host at the start: {host_speed.describe(result['host_speed']['start'])}")
+    if args.explain_ttft:
+        # A first token at c=1 crosses four process hops in a row, each into a process idle since the last prompt.
+        result["grpc_hop"] = {"calls": args.hop_calls, "rows": grpc_hop.measure([HOP_IDLE_S], args.hop_calls, 8192)}
+        log(f"this host's bare gRPC hop: {result['grpc_hop']['rows']}")
     if args.cold:
         result["cleared_caches"] = clear_kernel_caches()
         log(f"cold start: cleared {result['cleared_caches'] or 'nothing (no caches yet)'}")

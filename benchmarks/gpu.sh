@@ -23,7 +23,9 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   spec       NextN speculative decoding on models/tiny-trained, and its draft / verify cost on the V3 slice (~2 min)
   serving    the service vs the engine: `pdserve up` (prefill + decode on one GPU) driven by `pdserve bench` at
              concurrency 1 8 32 128, demo model and V3 slice, the engine alone on the same prompts; cold kernel
-             caches first (~4 min on an H200; extra args go to bench_serving.py, e.g. --models demo --concurrency 1 32)
+             caches first; the stack traced, so that the c=1 TTFT comes split into its parts with this host's bare
+             gRPC hop beside it (--explain-ttft) (~5 min on an H200; extra args go to bench_serving.py, e.g.
+             --models demo --concurrency 1 32)
   pacing     what pacing buys: `serving` on the V3 slice, stack only, with the decode worker's steps back to back
              (--decode-gpu-share 1) and as shipped (auto: a third of a contended GPU while prompts are on their way),
              then with a fixed interval (--decode-min-step-interval-ms PACE_MS, default 20) (~3 min warm)
@@ -176,7 +178,7 @@ suite_spec() {
 suite_serving() {  # serving.json, serving.md, and per model its up.log, bench_c<C>.json, engine.json
   local d=$1
   shift
-  step 560 python3 benchmarks/bench_serving.py --out "$d" --cold "$@"
+  step 560 python3 benchmarks/bench_serving.py --out "$d" --cold --explain-ttft "$@"
 }
 
 suite_pacing() {  # off/, auto/, fixed/ (serving.json, serving.md each): the V3 slice's decode pacing, stack only

@@ -41,10 +41,38 @@ def rows_of(name: str, stack: dict, engine: dict) -> list[dict]:
             "transfer_ms": r.get("transfer_ms"),
             "ttft_less_transfer_ratio": (ratio(r["ttft"]["median_ms"] - r["transfer_ms"], e["prefill_one_ms"])
                                          if r.get("transfer_ms") is not None else None),
+            **ttft_parts_of(r),
             "stack_accept_length": r.get("accept_length"), "engine_accept_length": e.get("accept_length"),
             "stack_in_tok_s": r["input_token_throughput"], "engine_prefill_tok_s": e["prefill_tok_s"],
             "in_tok_s_ratio": ratio(r["input_token_throughput"], e["prefill_tok_s"])})
     return rows
+
+
+# A c=1 run's first tokens split by the stack's trace (bench_serving.py --explain-ttft; trace_report.TTFT_PARTS):
+# row key, and its part's name there.
+TTFT_PART_KEYS = (("ttft_to_prefill_engine_ms", "to_prefill_engine_ms"), ("ttft_prefill_step_ms", "prefill_step_ms"),
+                  ("ttft_to_router_send_ms", "to_router_send_ms"), ("ttft_router_send_ms", "router_send_ms"))
+
+
+def ttft_parts_of(run: dict) -> dict:
+    """The row's TTFT parts (None where the run was not traced), and the client's two hops: its TTFT p50 less the
+    router's send (a difference of medians: the client's side has no marks)."""
+    parts = run.get("ttft_parts") or {}
+    row = {key: parts.get(name) for key, name in TTFT_PART_KEYS}
+    send = row["ttft_router_send_ms"]
+    row["ttft_client_hops_ms"] = None if send is None else run["ttft"]["median_ms"] - send
+    return row
+
+
+def hop_floor(grpc_hop: Optional[dict]) -> Optional[dict]:
+    """From bench_serving's bare gRPC hop (grpc_hop.py, one idle gap): a new call's one-way time, a message's on an
+    open stream, and a first token's four hops in a row: the client's new call to the router, then three messages on
+    open streams (router -> prefill worker, its answer back, the router's to the client)."""
+    if not grpc_hop or not grpc_hop.get("rows"):
+        return None
+    row = grpc_hop["rows"][0]
+    call, message = row["unary"]["one_way_ms"], row["stream"]["one_way_ms"]
+    return {"idle_ms": row["gap_ms"], "call_ms": call, "message_ms": message, "four_hops_ms": call + 3 * message}
 
 
 def _f(v, digits=2, suffix="") -> str:
@@ -82,6 +110,27 @@ def concurrency_one_table(rows: list[dict]) -> str:
                      f"{_f(r.get('transfer_ms'))} | {_f(r['ttft_ratio'])} | **{_f(r.get('ttft_less_transfer_ratio'))}** "
                      f"| {accept} |")
     return "\n".join(lines)
+
+
+def ttft_parts_table(rows: list[dict]) -> str:
+    """The traced c=1 rows: where the first token's time went, against the engine's prefill and the allowance."""
+    lines = ["| model | TTFT p50 ms | client <-> router hops (TTFT - router's send) | router -> prefill engine's queue "
+             "| live prefill step | engine prefill (same prompts) | step / engine | sampling -> router's send | TTFT - "
+             "engine prefill | allowed: 10% of the prefill + KV transfer |", "|" + "---|" * 10]
+    for r in rows:
+        if r["concurrency"] != 1 or r.get("ttft_prefill_step_ms") is None:
+            continue
+        prefill, step = r["engine_prefill_one_ms"], r["ttft_prefill_step_ms"]
+        lines.append(f"| {r['model']} | {_f(r['stack_ttft_p50_ms'])} | {_f(r['ttft_client_hops_ms'])} | "
+                     f"{_f(r['ttft_to_prefill_engine_ms'])} | {_f(step)} | {_f(prefill)} | "
+                     f"**{_f(ratio(step, prefill))}** | {_f(r['ttft_to_router_send_ms'])} | "
+                     f"{_f(r['stack_ttft_p50_ms'] - prefill)} | {_f(allowed_ms(r))} |")
+    return "\n".join(lines)
+
+
+def allowed_ms(row: dict) -> Optional[float]:
+    """What the TTFT target lets the stack add to the engine's prefill: 10% of it, plus the KV transfer."""
+    return (TARGETS["ttft_c1"] - 1) * row["engine_prefill_one_ms"] + (row.get("transfer_ms") or 0.0)
 
 
 # The ratios whose spread over --repeats the repeats table shows, and their column names.
@@ -163,8 +212,9 @@ def shown(v: float, limit: float, at_least: bool) -> str:
     return f"{v:.{digits}f}"
 
 
-def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
-    """Each of the issue's targets that this run measured, met or missed."""
+def targets(rows: list[dict], prompts_only: list[dict] = (), hops: Optional[dict] = None) -> list[str]:
+    """Each of the issue's targets that this run measured, met or missed; a missed TTFT target with its why where the
+    run was traced (`hops`: hop_floor's, where measured)."""
     out = []
 
     def check(what: str, row: Optional[dict], key: str, limit: float, at_least: bool) -> None:
@@ -189,6 +239,8 @@ def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
                    f"{shown(plain, limit, False)}; less the KV transfer ({transfer:.2f} ms, the issue's allowance): "
                    f"{shown(less, limit, False)}; <= {limit} target{how}: "
                    f"**{'met' if met else 'missed'}**")
+        if not met and row.get("ttft_prefill_step_ms") is not None:
+            out.append("  - why: " + ttft_why(row, hops))
 
     for model in dict.fromkeys(r["model"] for r in rows):
         at = {r["concurrency"]: r for r in rows if r["model"] == model}
@@ -217,6 +269,26 @@ def targets(rows: list[dict], prompts_only: list[dict] = ()) -> list[str]:
     return out
 
 
+def ttft_why(row: dict, hops: Optional[dict]) -> str:
+    """Where a missed c=1 TTFT's excess over the engine's prefill went (medians of the traced run, see
+    ttft_parts_table), and the floor this host's gRPC hops put under it."""
+    prefill, step = row["engine_prefill_one_ms"], row["ttft_prefill_step_ms"]
+    added, allowed = row["stack_ttft_p50_ms"] - prefill, allowed_ms(row)
+    around = row["ttft_client_hops_ms"] + row["ttft_to_prefill_engine_ms"] + row["ttft_to_router_send_ms"]
+    why = (f"the stack adds {added:.2f} ms to the engine's {prefill:.2f} ms prefill, where {allowed:.2f} ms are "
+           f"allowed: its live prefill step took {step:.2f} ms ({step - prefill:+.2f} ms, {step / prefill:.2f}x the "
+           f"engine's), and the way around the step {around:.2f} ms (the client's two hops to and from the router "
+           f"{row['ttft_client_hops_ms']:.2f}, the router and its hop to the prefill engine "
+           f"{row['ttft_to_prefill_engine_ms']:.2f}, the answer's way back to the router's send "
+           f"{row['ttft_to_router_send_ms']:.2f})")
+    if hops:
+        why += (f". On this host a bare gRPC message between two processes idle {hops['idle_ms']:.0f} ms takes "
+                f"{hops['call_ms']:.2f} ms as a new call and {hops['message_ms']:.2f} ms on an open stream: the "
+                f"first token's four hops in a row (a new call, three stream messages) cost "
+                f"{hops['four_hops_ms']:.2f} ms before any work, {hops['four_hops_ms'] / allowed:.0%} of the allowance")
+    return why
+
+
 def summarize(result: dict) -> None:
     """Adds to bench_serving's result its rows (the first repeat's), with --repeats each row's medians over the
     repeats (what the targets are then held to), the targets, and the first run's failures per model."""
@@ -236,7 +308,7 @@ def summarize(result: dict) -> None:
     result["median_rows"], result["prompts_only_median_rows"] = spread, spread_only
     judged = [r for r in rows if r["model"] not in {m["model"] for m in spread}] + spread
     judged_only = [r for r in only if r["model"] not in {m["model"] for m in spread_only}] + spread_only
-    result["targets"] = targets(judged, judged_only) if judged else []
+    result["targets"] = targets(judged, judged_only, hop_floor(result.get("grpc_hop"))) if judged else []
     result["first_run_failed"] = {name: e["stack"]["runs"][0]["failed"] for name, e in result["models"].items()
                                   if e["stack"]["runs"]}
 
@@ -250,6 +322,12 @@ def markdown(result: dict, command: str, device: str, cold: bool, prompts_only_c
           + (", cold start (Triton and FlashInfer caches cleared first)" if cold else ""), ""]
     if host_line:  # (benchmarks/host_speed.py)
         md += [host_line, ""]
+    hops = hop_floor(result.get("grpc_hop"))
+    if hops:  # (benchmarks/grpc_hop.py, --explain-ttft)
+        md += [f"A bare gRPC message between two processes idle {hops['idle_ms']:.0f} ms (benchmarks/grpc_hop.py, "
+               f"median of {result['grpc_hop']['calls']}): {hops['call_ms']:.2f} ms one way as a new call, "
+               f"{hops['message_ms']:.2f} ms on an open stream; a first token's four hops in a row (one new call, "
+               f"three stream messages): {hops['four_hops_ms']:.2f} ms", ""]
     for name, entry in result["models"].items():
         s = entry["stack"]
         warm = ", ".join(f"{role} {v:.2f} s" for role, v in s.get("warmup_s", {}).items()) or "-"
@@ -267,6 +345,9 @@ def markdown(result: dict, command: str, device: str, cold: bool, prompts_only_c
             md += ["", "Concurrency 1: the engine ran the stack's prompts one at a time (its prefill: the median, as "
                    "TTFT's p50); the KV transfer is the prefill worker's mean over the same run (from its answer to the "
                    "decode worker's confirmation):", "", concurrency_one_table(rows)]
+        if any(r.get("ttft_prefill_step_ms") is not None for r in rows):
+            md += ["", "Where the concurrency-1 TTFT goes (the stack traced: medians over the run's requests of each "
+                   "one's time between its marks; ms):", "", ttft_parts_table(rows)]
         if only:
             md += ["", f"Prompts only ({prompts_only_concurrency} at a time, 1 new token each; the engine: as "
                    "many prompts at once), where the input tok/s above is diluted by decoding:", "",

@@ -57,6 +57,30 @@ def report(requests: dict[str, dict[str, int]]) -> list[dict]:
     return rows
 
 
+# A first token's way at concurrency 1, point to point: (name, from, to). What precedes router.recv (the client's hop
+# in) and follows router.first_out (the hop back) is no process's mark: the client's TTFT less the router's send.
+TTFT_PARTS = (("to_prefill_engine", "router.recv", "prefill.queued"),  # the router, its hop, the worker's loop
+              ("prefill_step", "prefill.queued", "prefill.sampled"),  # the live engine step: queued to sampled
+              ("to_router_send", "prefill.sampled", "router.first_out"),  # the answer's hop and the router's send
+              ("router_send", "router.recv", "router.first_out"))  # all the router saw of it
+
+
+def ttft_parts(requests: dict[str, dict[str, int]], since_ns: Optional[int] = None,
+               until_ns: Optional[int] = None) -> Optional[dict]:
+    """Where a first token's time went inside the stack: for each of TTFT_PARTS the median over the requests (each
+    its own difference, not a difference of medians) that the router received in [since_ns, until_ns] and that passed
+    every point (a first token that ends its request goes out with the decode worker's stream, and is left out), as
+    "<name>_ms", with "requests" (how many). None when no request qualifies."""
+    points = {p for _, a, b in TTFT_PARTS for p in (a, b)}
+    chosen = [ev for ev in requests.values() if points <= set(ev)
+              and (since_ns is None or ev["router.recv"] >= since_ns)
+              and (until_ns is None or ev["router.recv"] <= until_ns)]
+    if not chosen:
+        return None
+    parts = {f"{name}_ms": statistics.median((ev[b] - ev[a]) / 1e6 for ev in chosen) for name, a, b in TTFT_PARTS}
+    return {"requests": len(chosen), **parts}
+
+
 STEP_GROUP_NS = 200_000  # the prompts of one step are marked microseconds apart; steps are milliseconds apart
 
 

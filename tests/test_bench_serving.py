@@ -18,7 +18,8 @@ def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
     out = tmp_path / "serving"
     proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--out", str(out), "--device", "cpu",
                            "--models", "demo", "--concurrency", "1", "2", "--num-prompts", "4",
-                           "--demo-input-len", "16", "--demo-output-len", "4", "--prompts-only-concurrency", "2"],
+                           "--demo-input-len", "16", "--demo-output-len", "4", "--prompts-only-concurrency", "2",
+                           "--explain-ttft", "--hop-calls", "3"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "serving.json").read_text())
@@ -54,6 +55,15 @@ def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
     one = rows[0]
     assert one["ttft_less_transfer_ratio"] == pytest.approx(
         (one["stack_ttft_p50_ms"] - one["transfer_ms"]) / one["engine_prefill_one_ms"])
+    # --explain-ttft: the stack traced, each c=1 first token split at its marks, and this host's bare gRPC hop.
+    parts = demo["stack"]["runs"][0]["ttft_parts"]
+    assert parts["requests"] == 4 and all(v > 0 for v in parts.values()), parts
+    assert "ttft_parts" not in demo["stack"]["runs"][1]  # (c=2: queueing, not the way of one first token)
+    assert one["ttft_prefill_step_ms"] == pytest.approx(parts["prefill_step_ms"])
+    assert one["ttft_client_hops_ms"] == pytest.approx(one["stack_ttft_p50_ms"] - parts["router_send_ms"])
+    (hop,) = result["grpc_hop"]["rows"]
+    assert hop["gap_ms"] == pytest.approx(110) and hop["unary"]["one_way_ms"] > 0 and hop["stream"]["one_way_ms"] > 0
+    assert "Where the concurrency-1 TTFT goes" in md and "A bare gRPC message between two processes idle 110 ms" in md
     assert sorted(f.name for f in out.iterdir()) == ["demo_up.log", "serving.json", "serving.md"]
 
 
@@ -115,6 +125,41 @@ def test_the_ttft_target_allows_the_kv_transfer_measured_in_the_same_run():
     (row,) = rows_of("v3", {"runs": [run]}, engine)  # not measured: no allowance
     assert any("(transfer time not measured, not added) (v3): 1.21 <= 1.1 target: **missed**" in line
                for line in targets([row]))
+
+
+def test_a_missed_ttft_target_says_where_the_time_went_and_what_the_hops_cost():
+    """--explain-ttft: a traced c=1 run's first token split at the stack's marks; a missed TTFT target says how much
+    the stack added against what the target allows, the live step against the engine's, the hops around it, and
+    this host's bare gRPC floor for four hops in a row."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from serving_report import hop_floor, rows_of, targets, ttft_parts_table
+
+    parts = {"requests": 8, "to_prefill_engine_ms": 1.4, "prefill_step_ms": 15.0, "to_router_send_ms": 1.1,
+             "router_send_ms": 17.5}
+    run = {"concurrency": 1, "num_prompts": 8, "failed": 0, "output_token_throughput": 900.0,
+           "tpot": {"mean_ms": 1.0}, "itl": {"mean_ms": 1.0}, "ttft": {"median_ms": 19.0},
+           "input_token_throughput": 4000.0, "transfer_ms": 2.0, "ttft_parts": parts}
+    engine = {"engine_flags": ["--model", "m"], "batches": [
+        {"batch": 1, "output_tok_s": 1000.0, "decode_step_ms": 1.0, "tpot_ms": 1.0, "prefill_one_ms": 12.0,
+         "prefill_tok_s": 30000.0}]}
+    (row,) = rows_of("demo", {"runs": [run]}, engine)
+    assert row["ttft_client_hops_ms"] == pytest.approx(1.5)  # 19.0 - 17.5
+    hops = hop_floor({"calls": 30, "rows": [{"gap_ms": 110.0, "unary": {"one_way_ms": 1.2, "round_trip_ms": 1.8},
+                                             "stream": {"one_way_ms": 0.6, "round_trip_ms": 1.0}}]})
+    assert hops["four_hops_ms"] == pytest.approx(3.0)
+    lines = targets([row], hops=hops)
+    (why,) = [x for x in lines if x.startswith("  - why: ")]
+    # 19 - 12 = 7 ms added, 1.2 + 2.0 = 3.2 allowed; the step 15 ms (+3.00, 1.25x); around it 1.5 + 1.4 + 1.1 = 4.0.
+    assert "adds 7.00 ms to the engine's 12.00 ms prefill, where 3.20 ms are allowed" in why
+    assert "took 15.00 ms (+3.00 ms, 1.25x the engine's)" in why and "the way around the step 4.00 ms" in why
+    assert "cost 3.00 ms before any work, 94% of the allowance" in why
+    assert "| demo | 19.00 | 1.50 | 1.40 | 15.00 | 12.00 | **1.25** | 1.10 | 7.00 | 3.20 |" in ttft_parts_table([row])
+    # Met, or not traced: no why.
+    (met,) = rows_of("demo", {"runs": [{**run, "ttft": {"median_ms": 14.0}}]}, engine)
+    assert not [x for x in targets([met], hops=hops) if "why" in x]
+    (untraced,) = rows_of("demo", {"runs": [{**run, "ttft_parts": None}]}, engine)
+    assert not [x for x in targets([untraced], hops=hops) if "why" in x]
+    assert untraced["ttft_client_hops_ms"] is None
 
 
 def test_repeats_give_each_ratio_over_fresh_stacks_and_judge_the_targets_on_the_medians(tmp_path):

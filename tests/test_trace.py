@@ -13,7 +13,7 @@ from pdserve.common import trace
 from stack import generate, start_stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.trace_report import cadence, load, report  # noqa: E402
+from benchmarks.trace_report import cadence, load, report, ttft_parts  # noqa: E402
 
 # Where each request must pass, in this order (the Bind and the decode worker's Reserve run beside the prefill;
 # the prefill worker's answer and the decode worker's first token race to the router).
@@ -46,6 +46,25 @@ def test_cadence_groups_a_steps_prompts_and_times_the_steps_apart():
     # c's first layer 2.95 ms after step 1's last sampling; d's was launched before step 2's ended: not counted.
     assert steps["to_next_layer0"]["n"] == 1 and steps["to_next_layer0"]["median_ms"] == pytest.approx(2.95)
     assert cadence({"a": requests["a"]}) == {}
+
+
+def test_ttft_parts_split_each_first_token_of_a_window_and_take_medians_of_its_own_differences():
+    ms = 1_000_000
+
+    def first_token(recv: int, queued: float, sampled: float, out: float) -> dict:
+        return {"router.recv": recv, "prefill.queued": recv + int(queued * ms),
+                "prefill.sampled": recv + int(sampled * ms), "router.first_out": recv + int(out * ms)}
+
+    requests = {"a": first_token(100 * ms, 1, 15, 16), "b": first_token(200 * ms, 2, 14, 16),
+                "c": first_token(300 * ms, 1, 13, 15),
+                "ended by its first token": {"router.recv": 250 * ms, "prefill.queued": 251 * ms},
+                "before the window": first_token(10 * ms, 9, 99, 100)}
+    parts = ttft_parts(requests, since_ns=50 * ms, until_ns=400 * ms)
+    assert parts["requests"] == 3
+    assert parts["to_prefill_engine_ms"] == pytest.approx(1) and parts["prefill_step_ms"] == pytest.approx(12)
+    assert parts["to_router_send_ms"] == pytest.approx(2) and parts["router_send_ms"] == pytest.approx(16)
+    assert ttft_parts(requests)["requests"] == 4  # no window: every complete one
+    assert ttft_parts(requests, since_ns=500 * ms) is None
 
 
 @pytest.mark.slow
