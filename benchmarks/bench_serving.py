@@ -48,9 +48,10 @@ after it), and the targets are then judged on those medians.
 (PDSERVE_TRACE: each process timestamps each request's points, a line per point, benchmarks/trace_report.py), and
 each c=1 run's first tokens are split into the router and its hop to the prefill engine, the live prefill step (to
 hold against the engine's prefill of the same prompts), the way back to the router's send, and the client's two hops
-(its TTFT less the router's send); and this host's bare gRPC message between two processes after an idle gap like
-the prefill worker's between two prompts is timed first (benchmarks/grpc_hop.py): four of those in a row are the
-floor of what the stack adds.
+(its TTFT less the router's send); and this host's bare gRPC message between two processes is timed first
+(benchmarks/grpc_hop.py), after 2 ms idle (a process busy with the decode, as the client and the router are) and after
+110 ms (the prefill worker's idle time between two prompts): four of those in a row are the floor of what the stack
+adds.
 """
 
 from __future__ import annotations
@@ -259,9 +260,9 @@ def stats_since(before: Optional[dict], after: Optional[dict]) -> dict:
             "replay_stretch": mean_of("pdserve_decode_replay_stretch")}
 
 
-# The idle gap before each timed gRPC message with --explain-ttft: about the demo model's decode between two prompts
-# at c=1, during which the prefill worker waits for its next prompt.
-HOP_IDLE_S = 0.11
+# The idle gaps before the timed gRPC messages of --explain-ttft: a process busy with the decode (the client and the
+# router at c=1), and one idle through it (the prefill worker: about the demo model's decode between two prompts).
+HOP_GAPS_S = (0.002, 0.11)
 
 PROMPTS_ONLY_SEED = 100  # the prompts-only run's prompts, the same on both sides (none shared with the other runs)
 
@@ -484,7 +485,7 @@ def main() -> None:
     p.add_argument("--explain-ttft", action="store_true",
                    help="say where the c=1 TTFT goes: the stack traced (PDSERVE_TRACE, per-request marks) and its "
                         "first tokens' time split between the router, the prefill step and the hops; and this host's "
-                        "bare gRPC message between two processes after an idle gap (benchmarks/grpc_hop.py)")
+                        "bare gRPC message between two processes after 2 and 110 ms idle (benchmarks/grpc_hop.py)")
     p.add_argument("--hop-calls", type=int, default=30, help="with --explain-ttft: gRPC messages timed per kind")
     p.add_argument("--start-timeout", type=float, default=400.0)
     p.add_argument("--bench-timeout", type=float, default=400.0, help="seconds per pdserve bench / engine run")
@@ -517,7 +518,8 @@ def main() -> None:
     log(f"host at the start: {host_speed.describe(result['host_speed']['start'])}")
     if args.explain_ttft:
         # A first token at c=1 crosses four process hops in a row, each into a process idle since the last prompt.
-        result["grpc_hop"] = {"calls": args.hop_calls, "rows": grpc_hop.measure([HOP_IDLE_S], args.hop_calls, 8192)}
+        result["grpc_hop"] = {"calls": args.hop_calls, "rows": grpc_hop.measure(list(HOP_GAPS_S), args.hop_calls,
+                                                                           8192)}
         log(f"this host's bare gRPC hop: {result['grpc_hop']['rows']}")
     if args.cold:
         result["cleared_caches"] = clear_kernel_caches()

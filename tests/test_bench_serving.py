@@ -61,9 +61,11 @@ def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
     assert "ttft_parts" not in demo["stack"]["runs"][1]  # (c=2: queueing, not the way of one first token)
     assert one["ttft_prefill_step_ms"] == pytest.approx(parts["prefill_step_ms"])
     assert one["ttft_client_hops_ms"] == pytest.approx(one["stack_ttft_p50_ms"] - parts["router_send_ms"])
-    (hop,) = result["grpc_hop"]["rows"]
-    assert hop["gap_ms"] == pytest.approx(110) and hop["unary"]["one_way_ms"] > 0 and hop["stream"]["one_way_ms"] > 0
-    assert "Where the concurrency-1 TTFT goes" in md and "A bare gRPC message between two processes idle 110 ms" in md
+    busy, idle = result["grpc_hop"]["rows"]
+    assert (busy["gap_ms"], idle["gap_ms"]) == (pytest.approx(2), pytest.approx(110))
+    assert all(h[kind]["one_way_ms"] > 0 for h in (busy, idle) for kind in ("unary", "stream"))
+    assert "Where the concurrency-1 TTFT goes" in md and "A bare gRPC message between two processes, one way" in md
+    assert "after 2 ms idle" in md and "after 110 ms idle" in md
     assert sorted(f.name for f in out.iterdir()) == ["demo_up.log", "serving.json", "serving.md"]
 
 
@@ -144,15 +146,22 @@ def test_a_missed_ttft_target_says_where_the_time_went_and_what_the_hops_cost():
          "prefill_tok_s": 30000.0}]}
     (row,) = rows_of("demo", {"runs": [run]}, engine)
     assert row["ttft_client_hops_ms"] == pytest.approx(1.5)  # 19.0 - 17.5
-    hops = hop_floor({"calls": 30, "rows": [{"gap_ms": 110.0, "unary": {"one_way_ms": 1.2, "round_trip_ms": 1.8},
-                                             "stream": {"one_way_ms": 0.6, "round_trip_ms": 1.0}}]})
-    assert hops["four_hops_ms"] == pytest.approx(3.0)
+    hops = hop_floor({"calls": 30, "rows": [
+        {"gap_ms": 110.0, "unary": {"one_way_ms": 1.2, "round_trip_ms": 1.8},
+         "stream": {"one_way_ms": 0.6, "round_trip_ms": 1.0}},
+        {"gap_ms": 2.0, "unary": {"one_way_ms": 0.8, "round_trip_ms": 1.3},
+         "stream": {"one_way_ms": 0.4, "round_trip_ms": 0.7}}]})
+    assert [h["idle_ms"] for h in hops] == [2.0, 110.0]  # shortest gap first
+    assert [h["four_hops_ms"] for h in hops] == [pytest.approx(2.0), pytest.approx(3.0)]
     lines = targets([row], hops=hops)
     (why,) = [x for x in lines if x.startswith("  - why: ")]
     # 19 - 12 = 7 ms added, 1.2 + 2.0 = 3.2 allowed; the step 15 ms (+3.00, 1.25x); around it 1.5 + 1.4 + 1.1 = 4.0.
     assert "adds 7.00 ms to the engine's 12.00 ms prefill, where 3.20 ms are allowed" in why
     assert "took 15.00 ms (+3.00 ms, 1.25x the engine's)" in why and "the way around the step 4.00 ms" in why
-    assert "cost 3.00 ms before any work, 94% of the allowance" in why
+    assert "cost 2.00-3.00 ms of bare gRPC before any work (every process idle 2 to 110 ms;" in why
+    assert "), 62%-94% of the allowance" in why
+    (why_one_gap,) = [x for x in targets([row], hops=hops[1:]) if "why" in x]
+    assert "cost 3.00 ms of bare gRPC before any work (every process idle 110 ms), 94% of the allowance" in why_one_gap
     assert "| demo | 19.00 | 1.50 | 1.40 | 15.00 | 12.00 | **1.25** | 1.10 | 7.00 | 3.20 |" in ttft_parts_table([row])
     # Met, or not traced: no why.
     (met,) = rows_of("demo", {"runs": [{**run, "ttft": {"median_ms": 14.0}}]}, engine)
