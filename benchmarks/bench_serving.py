@@ -517,7 +517,8 @@ def main() -> None:
     result["host_speed"] = {"start": host_speed.summary(host_speed.per_cpu_loop_ms())}
     log(f"host at the start: {host_speed.describe(result['host_speed']['start'])}")
     if args.explain_ttft:
-        # A first token at c=1 crosses four process hops in a row, each into a process idle since the last prompt.
+        # A first token at c=1 crosses four process hops in a row: what each costs bare, between busy processes and
+        # between idle ones (HOP_GAPS_S).
         result["grpc_hop"] = {"calls": args.hop_calls, "rows": grpc_hop.measure(list(HOP_GAPS_S), args.hop_calls,
                                                                            8192)}
         log(f"this host's bare gRPC hop: {result['grpc_hop']['rows']}")

@@ -69,8 +69,9 @@ def ttft_parts(requests: dict[str, dict[str, int]], since_ns: Optional[int] = No
                until_ns: Optional[int] = None) -> Optional[dict]:
     """Where a first token's time went inside the stack: for each of TTFT_PARTS the median over the requests (each
     its own difference, not a difference of medians) that the router received in [since_ns, until_ns] and that passed
-    every point (a first token that ends its request goes out with the decode worker's stream, and is left out), as
-    "<name>_ms", with "requests" (how many). None when no request qualifies."""
+    every point, as "<name>_ms", with "requests" (how many). None when no request qualifies. (A first token that went
+    out with the decode worker's stream rather than the prefill worker's answer, as one that ends its request does,
+    counts the KV transfer and the decode worker in to_router_send; the serving benchmark's requests never end there.)"""
     points = {p for _, a, b in TTFT_PARTS for p in (a, b)}
     chosen = [ev for ev in requests.values() if points <= set(ev)
               and (since_ns is None or ev["router.recv"] >= since_ns)
