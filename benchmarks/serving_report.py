@@ -118,17 +118,20 @@ def ttft_parts_table(rows: list[dict]) -> str:
     for r in rows:
         if r["concurrency"] != 1 or r.get("ttft_prefill_step_ms") is None:
             continue
-        prefill, step = r["engine_prefill_one_ms"], r["ttft_prefill_step_ms"]
+        x = ttft_excess(r)
         lines.append(f"| {r['model']} | {_f(r['stack_ttft_p50_ms'])} | {_f(r['ttft_client_hops_ms'])} | "
-                     f"{_f(r['ttft_to_prefill_engine_ms'])} | {_f(step)} | {_f(prefill)} | "
-                     f"**{_f(ratio(step, prefill))}** | {_f(r['ttft_to_router_send_ms'])} | "
-                     f"{_f(r['stack_ttft_p50_ms'] - prefill)} | {_f(allowed_ms(r))} |")
+                     f"{_f(r['ttft_to_prefill_engine_ms'])} | {_f(x['step'])} | {_f(x['prefill'])} | "
+                     f"**{_f(x['step'] / x['prefill'])}** | {_f(r['ttft_to_router_send_ms'])} | "
+                     f"{_f(x['added'])} | {_f(x['allowed'])} |")
     return "\n".join(lines)
 
 
-def allowed_ms(row: dict) -> Optional[float]:
-    """What the TTFT target lets the stack add to the engine's prefill: 10% of it, plus the KV transfer."""
-    return (TARGETS["ttft_c1"] - 1) * row["engine_prefill_one_ms"] + (row.get("transfer_ms") or 0.0)
+def ttft_excess(row: dict) -> dict:
+    """A traced c=1 row's TTFT against the engine's prefill (ms): "prefill", the live "step", what the stack
+    "added" to the prefill, and what the target "allowed" it (10% of the prefill, plus the KV transfer)."""
+    prefill = row["engine_prefill_one_ms"]
+    return {"prefill": prefill, "step": row["ttft_prefill_step_ms"], "added": row["stack_ttft_p50_ms"] - prefill,
+            "allowed": (TARGETS["ttft_c1"] - 1) * prefill + (row.get("transfer_ms") or 0.0)}
 
 
 # The ratios whose spread over --repeats the repeats table shows, and their column names.
@@ -270,8 +273,8 @@ def targets(rows: list[dict], prompts_only: list[dict] = (), hops: list[dict] = 
 def ttft_why(row: dict, hops: list[dict]) -> str:
     """Where a missed c=1 TTFT's excess over the engine's prefill went (medians of the traced run, see
     ttft_parts_table), and the floor this host's gRPC hops put under it."""
-    prefill, step = row["engine_prefill_one_ms"], row["ttft_prefill_step_ms"]
-    added, allowed = row["stack_ttft_p50_ms"] - prefill, allowed_ms(row)
+    x = ttft_excess(row)
+    prefill, step, added, allowed = x["prefill"], x["step"], x["added"], x["allowed"]
     around = row["ttft_client_hops_ms"] + row["ttft_to_prefill_engine_ms"] + row["ttft_to_router_send_ms"]
     why = (f"the stack adds {added:.2f} ms to the engine's {prefill:.2f} ms prefill, where {allowed:.2f} ms are "
            f"allowed: its live prefill step took {step:.2f} ms ({step - prefill:+.2f} ms, {step / prefill:.2f}x the "
