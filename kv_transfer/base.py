@@ -202,6 +202,12 @@ class KVSender(ABC):
         decode worker reserved (its Reserve answer); transports that write straight into them split each layer
         by their contiguous runs and need them, TCP ignores them."""
 
+    def begin_if_paired(self, endpoint: str, room: int, num_layers: int,
+                        dst_pages: Sequence[int] | None = None) -> SendHandle | None:
+        """`begin` where it cannot block: the handle when this sender already holds a live pairing with
+        `endpoint`, else None (call `begin` then, off the event loop). Same errors as `begin` otherwise."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Fail every room still in flight (kind "aborted") and close all connections."""

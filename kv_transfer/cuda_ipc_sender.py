@@ -312,8 +312,8 @@ class CudaIpcKVSender(TcpKVSender):
         self._facts = self._ipc.local_facts(self.device)
         self._tcp_only: dict[str, str] = {}  # endpoint -> why mapping its pool failed (auto: tcp from then on)
 
-    def begin(self, endpoint: str, room: int, num_layers: int, dst_pages: Sequence[int] | None = None):
-        handle = super().begin(endpoint, room, num_layers, dst_pages)
+    def _start(self, conn, room, num_layers, dst_pages):
+        handle = super()._start(conn, room, num_layers, dst_pages)
         if isinstance(handle, IpcSendHandle):
             handle._conn.put(handle, BEGIN, {"num_layers": num_layers, "pages": handle._dst_pages})
         return handle

@@ -316,17 +316,37 @@ class TcpKVSender(KVSender):
 
     def begin(self, endpoint: str, room: int, num_layers: int,
               dst_pages: Sequence[int] | None = None) -> TcpSendHandle:
+        self._check_room(room, num_layers)
+        for _ in range(2):  # a connection that broke between lookup and registration is remade once
+            conn = self._connection(endpoint)
+            handle = self._start(conn, room, num_layers, dst_pages)
+            if handle is not None:
+                return handle
+        raise conn.broken
+
+    def begin_if_paired(self, endpoint: str, room: int, num_layers: int,
+                        dst_pages: Sequence[int] | None = None) -> TcpSendHandle | None:
+        self._check_room(room, num_layers)
+        with self._lock:
+            conn = None if self._closed else self._conns.get(endpoint)
+        if conn is None or conn.broken is not None:
+            return None
+        return self._start(conn, room, num_layers, dst_pages)
+
+    def _check_room(self, room: int, num_layers: int) -> None:
         if not 0 <= room < 2**64:
             raise ValueError(f"room={room} must be a uint64")
         if not 0 < num_layers <= self.layout.num_kv_layers:
             raise ValueError(f"num_layers={num_layers} must be in [1, {self.layout.num_kv_layers}]")
-        for _ in range(2):  # a connection that broke between lookup and registration is remade once
-            conn = self._connection(endpoint)
-            handle = self._new_handle(conn, room, num_layers, dst_pages)
-            if conn.register(handle):
-                handle.status.advance(TransferState.TRANSFERRING)
-                return handle
-        raise conn.broken
+
+    def _start(self, conn: _Connection, room: int, num_layers: int,
+               dst_pages: Sequence[int] | None) -> TcpSendHandle | None:
+        """The room's handle on `conn`, registered; None when the connection broke meanwhile."""
+        handle = self._new_handle(conn, room, num_layers, dst_pages)
+        if not conn.register(handle):
+            return None
+        handle.status.advance(TransferState.TRANSFERRING)
+        return handle
 
     def _new_handle(self, conn: _Connection, room: int, num_layers: int,
                     dst_pages: Sequence[int] | None) -> TcpSendHandle:

@@ -310,6 +310,15 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, MTP_KV_NOT_COMPUTED) from None
             raise
         job.dst_pages, job.ships_mtp = dst_pages, ships_mtp
+        # Where this worker is paired with that decode worker already (every prompt after its first), opening a room
+        # cannot block: open it right here. A Bind arrives while the engine thread computes its prompt, and a thread
+        # hop there (an executor thread, then back on this loop) is two more takers of the engine thread's GIL: on
+        # an H200 (demo model, c=1, fresh stacks alternating) the forward's first layer was launched 0.5-0.9 ms
+        # sooner after the prompt was queued (benchmarks/results/README.md, the nineteenth session).
+        handle = w.sender.begin_if_paired(destination.kv_endpoint, destination.room, w.engine.num_layers_for(job),
+                                          dst_pages)
+        if handle is not None:
+            return handle
         opening = asyncio.ensure_future(asyncio.to_thread(w.sender.begin, destination.kv_endpoint, destination.room,
                                                           w.engine.num_layers_for(job), dst_pages))
         try:

@@ -258,6 +258,24 @@ def test_rows_are_written_into_scattered_pages_by_the_sender(cleanup, caplog, se
     assert "paired with prefill" in caplog.text
 
 
+def test_a_room_opened_without_connecting_is_announced_and_lands_like_any_other(cleanup):
+    """begin_if_paired (the prefill worker's open on its event loop, where the pairing exists) sends the same BEGIN
+    as begin, and the rows land where the grant says."""
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    assert s.begin_if_paired(decode.receiver.endpoint, 40, LAYERS, dst_pages=[1, 2, 3, 4]) is None  # not paired
+    send(s, decode, 41)[0].wait(timeout=5)  # pairs
+    pages = decode.reserve(42, TOKENS)
+    h = s.begin_if_paired(decode.receiver.endpoint, 42, LAYERS, dst_pages=pages)
+    assert h is not None and h._granted.wait(5)  # BEGIN went without a row sent: the decode worker granted it
+    for layer in range(LAYERS):
+        h.send_layer(layer, rows_of(42)[layer])
+    h.finish(AUX)
+    h.wait(timeout=5)
+    decode.rec.wait_for(lambda: len(decode.rec.done) == 2)
+    assert landed(decode, 42, pages)
+
+
 def test_a_prompts_layers_go_in_one_copy_and_one_announcement(cleanup):
     """send_layers (the prefill engine's call on a cuda_ipc pairing) gathers a run of layers from the prefill pool
     at once and announces it in one LAYER frame; the decode worker still hears of every layer, in order."""

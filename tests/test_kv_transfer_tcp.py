@@ -205,6 +205,31 @@ def test_two_rooms_interleaved_on_one_connection(cleanup):
     assert all(aux["hidden"] is None and aux["rng_state"] == b"" for _, aux in rec.done)
 
 
+def test_begin_if_paired_opens_a_room_only_on_a_live_pairing_and_never_connects(cleanup):
+    layout = make_layout()
+    receiver, rec = start_receiver(cleanup, layout)
+    sender = start_sender(cleanup, layout)
+    assert sender.begin_if_paired(receiver.endpoint, 1, LAYERS) is None  # not paired yet: no connection made
+    assert sender._conns == {}
+    receiver.expect(1, 3, [0], LAYERS)
+    sender.begin(receiver.endpoint, 1, LAYERS).abort()  # pairs
+    receiver.expect(2, 5, [4, 6], LAYERS)
+    h = sender.begin_if_paired(receiver.endpoint, 2, LAYERS)
+    assert h is not None and len(sender._conns) == 1
+    for layer in range(LAYERS):
+        h.send_layer(layer, torch.full((5, KV_DIM), float(layer)))
+    h.finish({"first_token_id": 7, "cached_tokens": 0})
+    h.wait(timeout=5)
+    rec.wait_for(lambda: [room for room, _ in rec.done] == [2])
+    with pytest.raises(ValueError, match="num_layers"):  # argument mistakes raise as begin's do
+        sender.begin_if_paired(receiver.endpoint, 3, LAYERS + 1)
+    receiver.close()  # the pairing breaks: nothing to open a room on without connecting again
+    deadline = time.monotonic() + 5
+    while next(iter(sender._conns.values())).broken is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.begin_if_paired(receiver.endpoint, 3, LAYERS) is None
+
+
 def test_handshake_refuses_other_page_size_promptly(cleanup):
     receiver, rec = start_receiver(cleanup, make_layout(page_size=4))
     sender = start_sender(cleanup, make_layout(page_size=16))

@@ -227,6 +227,36 @@ def test_a_prefill_call_cancelled_midway_leaves_no_pages_and_no_open_handle_behi
     assert handle.events == ([] if during == "add" else ["abort"]), handle.events
 
 
+def test_a_destination_already_paired_is_opened_on_the_event_loop_not_on_a_thread(tiny_v3_dir):
+    """Where the sender holds a live pairing with the decode worker (every prompt after the first), the room is
+    opened right on the event loop (begin_if_paired): no executor thread takes the GIL from the engine thread for it.
+    Without a pairing, begin runs on a thread as before."""
+    worker = in_process_worker(tiny_v3_dir)
+    paired = RecordingHandle([])
+    paired.transport = "tcp"
+    opened_on: list[str] = []
+
+    def begin_if_paired(*args):
+        opened_on.append(threading.current_thread().name)
+        return paired
+
+    def begin(*args):
+        raise AssertionError("begin() (the thread path) for a destination already paired")
+
+    worker.sender.begin_if_paired, worker.sender.begin = begin_if_paired, begin
+
+    async def prefill() -> pb.PrefillResponse:
+        worker.start(asyncio.get_running_loop())
+        return await PrefillServicer(worker).Prefill(bound_request(worker), context=None)
+
+    try:
+        response = asyncio.run(prefill())
+    finally:
+        worker.loop.stop()
+    assert opened_on == ["MainThread"]
+    assert response.first_token_id >= 0 and paired.events[-1] == "finish", paired.events
+
+
 def test_the_destinations_checks_come_before_anything_is_sent(tiny_v3_dir):
     plain = engine_of(tiny_v3_dir, SpeculativeConfig())
     job = PrefillJob("r", plain.core.encode(PROMPT), SamplingParams(), [])
