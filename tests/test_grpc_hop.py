@@ -25,11 +25,14 @@ def test_each_gap_times_a_unary_call_and_a_stream_message_one_way_and_back():
 def test_the_cli_prints_a_row_per_gap_and_writes_the_json(tmp_path):
     out = tmp_path / "hop.json"
     proc = subprocess.run([sys.executable, "benchmarks/grpc_hop.py", "--gaps", "0.001", "--calls", "5",
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           "--keep-warm-ms", "2", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "unary one way" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].strip().startswith("1 ms |")
+    assert "kept warm every 2 ms" in proc.stdout
     data = json.loads(out.read_text())
     assert data["calls"] == 5 and len(data["rows"]) == 1 and data["rows"][0]["stream"]["one_way_ms"] > 0
+    assert data["keep_warm_ms"] == 2
     bad = subprocess.run([sys.executable, "benchmarks/grpc_hop.py", "--calls", "0"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--calls must be at least 1" in bad.stderr
