@@ -46,18 +46,27 @@ class OpenCall:
         raise NotImplementedError
 
     # ---- shared -------------------------------------------------------------------------------------------------
-    def send(self, command) -> None:
-        self._commands.put_nowait(command)
+    def send(self, command) -> asyncio.Future:
+        """Queue `command`; the future returned is done once gRPC took the message that carries it."""
+        written = asyncio.get_running_loop().create_future()
+        self._commands.put_nowait((command, written))
+        return written
 
     def close(self) -> None:
         self.reader.cancel()
 
     async def _send(self) -> AsyncIterator:
         while True:
-            command = await self._commands.get()
+            command, written = await self._commands.get()
+            carried = [written]
             while not self._commands.empty() and command.ByteSize() < MERGE_BYTES:
-                command.MergeFrom(self._commands.get_nowait())  # (appends the repeated fields)
+                more, written = self._commands.get_nowait()
+                command.MergeFrom(more)  # (appends the repeated fields)
+                carried.append(written)
             yield command
+            for written in carried:  # (gRPC asks for the next message once it has written this one)
+                if not written.done():
+                    written.set_result(None)
 
     async def _read(self) -> None:
         error = CallFailed(grpc.StatusCode.UNAVAILABLE,

@@ -55,17 +55,23 @@ class PrefillCall(OpenCall):
 
     def prefill(self, request: pb.PrefillRequest) -> asyncio.Future:
         """Sends the prompt; its answer comes in the future returned (cancel it to drop the prompt)."""
-        answer = asyncio.get_running_loop().create_future()
+        return self.prefill_written(request)[0]
+
+    def prefill_written(self, request: pb.PrefillRequest) -> tuple[asyncio.Future, asyncio.Future]:
+        """`prefill`, and a future done once gRPC took the prompt's message (never, if the call ends first: the
+        answer fails then)."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
         rid = request.request_id
         if self.ended is not None:
             answer.set_exception(CallFailed(self.ended.code(), self.ended.details()))
-            return answer
+            return answer, loop.create_future()
         self.waiting[rid] = answer
         answer.add_done_callback(lambda a: a.cancelled() and self._cancel(rid, a))
-        self.send(pb.PrefillStreamRequest(prefill=[request]))
+        written = self.send(pb.PrefillStreamRequest(prefill=[request]))
         self._last_prompt = self._last_message = time.monotonic()
         self._prompted.set()
-        return answer
+        return answer, written
 
     def bind(self, request: pb.BindRequest) -> None:
         """The destination of a prompt sent without one; dropped with the call (its prompt has failed then)."""

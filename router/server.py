@@ -363,9 +363,14 @@ class Router:
         try:
             _left(deadline)  # (raises if it has passed)
             prefill_call = self.prefill_streams.to(prefill)
-            prefill_task = prefill_call.prefill(pb.PrefillRequest(  # its destination follows as a Bind
-                request_id=rid, input_ids=ids, sampling_params=sp))
+            prefill_task, written = prefill_call.prefill_written(pb.PrefillRequest(  # its destination follows as a
+                request_id=rid, input_ids=ids, sampling_params=sp))                  # Bind
             prefill_task.add_done_callback(prefill_done)
+            # The reservation starts once gRPC has the prompt's message: started at once, its unary call (a 2048-token
+            # ReserveRequest to build and send) ran on this loop before the prompt's write (CPU, demo model, 1536-
+            # token prompts, c=1: router -> prefill worker 1.00-1.06 ms, 0.73-0.78 ms with the Reserve after). It has
+            # the prompt's forward to come back in.
+            await asyncio.wait({written, prefill_task, down}, return_when=asyncio.FIRST_COMPLETED)
             reserve_call = asyncio.ensure_future(decode.stub.Reserve(
                 pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
                 metadata=md))

@@ -304,6 +304,32 @@ class RecordingStub:
         return self.calls[-1]
 
 
+def test_a_prompts_written_future_is_done_once_grpc_took_its_message_merged_or_not():
+    """The router starts a prompt's decode reservation only once gRPC has the prompt's message (its Reserve call would
+    otherwise run on the loop before the write): prefill_written's second future says when."""
+    async def main():
+        stub = RecordingStub()
+        streams = PrefillStreams(metadata=(), seen=lambda w: None)
+        call = streams.to(Worker("p:1", "prefill", channel=None, stub=stub, healthy=True))
+        (a, a_written), (b, b_written) = (call.prefill_written(prompt(rid)) for rid in "ab")  # queued together
+        assert not a_written.done() and not b_written.done()
+        await asyncio.wait_for(asyncio.gather(a_written, b_written), 5)
+        wire = stub.calls[0]
+        assert [[r.request_id for r in msg.prefill] for _, msg in wire.sent] == [["a", "b"]]  # one message
+        c, c_written = call.prefill_written(prompt("c"))
+        await asyncio.wait_for(c_written, 5)
+        assert [r.request_id for r in wire.sent[-1][1].prefill] == ["c"]
+        streams.close()
+        for answer in (a, b, c):
+            with pytest.raises(Exception, match="closing"):
+                await answer
+        ended, never = call.prefill_written(prompt("d"))  # on the ended call: the answer fails at once
+        with pytest.raises(Exception, match="closing"):
+            await ended
+        assert not never.done()
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("keep_warm_s", [0.0, 0.01])
 def test_an_idle_prefill_call_is_kept_warm_by_empty_messages_only_between_prompts_and_for_a_while(keep_warm_s):
     """--keep-warm-ms: while none of its prompts is in flight, and for keep_warm_for_s after the last one, the call
