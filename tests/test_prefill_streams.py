@@ -230,11 +230,14 @@ class BrokenCall:
 
 
 class FakeStub:
-    def __init__(self) -> None:
-        self.calls: list[BrokenCall] = []
+    """A prefill worker's stub whose PrefillStream calls are `call_cls(commands)`."""
+
+    def __init__(self, call_cls=None) -> None:
+        self.call_cls = call_cls or BrokenCall
+        self.calls: list = []
 
     def PrefillStream(self, commands, metadata=None):  # noqa: N802 (the stub's method name)
-        self.calls.append(BrokenCall(commands))
+        self.calls.append(self.call_cls(commands))
         return self.calls[-1]
 
 
@@ -295,20 +298,11 @@ class RecordingCall:
         return [t for t, msg in self.sent if t >= since and msg.ByteSize() == 0]
 
 
-class RecordingStub:
-    def __init__(self) -> None:
-        self.calls: list[RecordingCall] = []
-
-    def PrefillStream(self, commands, metadata=None):  # noqa: N802 (the stub's method name)
-        self.calls.append(RecordingCall(commands))
-        return self.calls[-1]
-
-
 def test_a_prompts_written_future_is_done_once_grpc_took_its_message_merged_or_not():
     """The router starts a prompt's decode reservation only once gRPC has the prompt's message (its Reserve call would
     otherwise run on the loop before the write): prefill_written's second future says when."""
     async def main():
-        stub = RecordingStub()
+        stub = FakeStub(RecordingCall)
         streams = PrefillStreams(metadata=(), seen=lambda w: None)
         call = streams.to(Worker("p:1", "prefill", channel=None, stub=stub, healthy=True))
         (a, a_written), (b, b_written) = (call.prefill_written(prompt(rid)) for rid in "ab")  # queued together
@@ -336,7 +330,7 @@ def test_an_idle_prefill_call_is_kept_warm_by_empty_messages_only_between_prompt
     carries an empty message whenever it was quiet keep_warm_s (never while a prompt computes: that worker's engine
     thread would lose the GIL to it); after the window, nothing until the next prompt. 0: never."""
     async def main():
-        stub = RecordingStub()
+        stub = FakeStub(RecordingCall)
         streams = PrefillStreams(metadata=(), seen=lambda w: None, keep_warm_s=keep_warm_s, keep_warm_for_s=0.3)
         call = streams.to(Worker("p:1", "prefill", channel=None, stub=stub, healthy=True))
         answer = call.prefill(prompt("a"))
