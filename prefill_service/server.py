@@ -315,12 +315,11 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
         # hop there (an executor thread, then back on this loop) is two more takers of the engine thread's GIL: on
         # an H200 (demo model, c=1, fresh stacks alternating) the forward's first layer was launched 0.5-0.9 ms
         # sooner after the prompt was queued (benchmarks/results/README.md, the nineteenth session).
-        handle = w.sender.begin_if_paired(destination.kv_endpoint, destination.room, w.engine.num_layers_for(job),
-                                          dst_pages)
+        room = (destination.kv_endpoint, destination.room, w.engine.num_layers_for(job), dst_pages)
+        handle = w.sender.begin_if_paired(*room)
         if handle is not None:
             return handle
-        opening = asyncio.ensure_future(asyncio.to_thread(w.sender.begin, destination.kv_endpoint, destination.room,
-                                                          w.engine.num_layers_for(job), dst_pages))
+        opening = asyncio.ensure_future(asyncio.to_thread(w.sender.begin, *room))
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:  # the call ended while connecting: the handle it opens is nobody's

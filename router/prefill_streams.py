@@ -11,10 +11,10 @@ grpc.aio between two processes, one message on an open stream after 110 ms quiet
 0.33-0.35 ms with a 1-byte message every 4 ms on another stream of the channel (0.31-0.37 after 2 ms quiet;
 `benchmarks/grpc_hop.py --keep-warm-ms 4`). The CPU machine shows the same; there an asyncio loop that merely wakes
 every millisecond did not help: what goes cold is gRPC's own threads. At concurrency 1 the prefill worker sits idle
-through each request's decode, so every prompt paid it. While no
-prompt of this call is in flight, and for `keep_warm_for_s` after the last one, the call carries an empty message
-whenever it was quiet for `keep_warm_s` (a prompt in flight is never interrupted: that worker's engine is computing
-it and a message would only take its engine thread's GIL). 0 turns it off.
+through each request's decode, so every prompt paid it. While no prompt of this call is in flight, and for
+`keep_warm_for_s` after the last one, the call carries an empty message whenever it was quiet for `keep_warm_s` (a
+prompt in flight is never interrupted: that worker's engine is computing it and a message would only take its engine
+thread's GIL). 0 turns it off.
 """
 
 from __future__ import annotations

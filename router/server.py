@@ -363,8 +363,9 @@ class Router:
         try:
             _left(deadline)  # (raises if it has passed)
             prefill_call = self.prefill_streams.to(prefill)
-            prefill_task, written = prefill_call.prefill_written(pb.PrefillRequest(  # its destination follows as a
-                request_id=rid, input_ids=ids, sampling_params=sp))                  # Bind
+            # (its destination follows as a Bind)
+            prefill_task, written = prefill_call.prefill_written(pb.PrefillRequest(
+                request_id=rid, input_ids=ids, sampling_params=sp))
             prefill_task.add_done_callback(prefill_done)
             # The reservation starts once gRPC has the prompt's message: started at once, its unary call (a 2048-token
             # ReserveRequest to build and send) ran on this loop before the prompt's write (CPU, demo model, 1536-

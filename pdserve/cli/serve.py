@@ -367,11 +367,12 @@ def add_stream_interval_arg(group) -> None:
 
 
 def add_keep_warm_arg(group) -> None:
+    # (RouterConfig.keep_warm_ms's default: router.server is not imported to build the parser, --help stays light)
     group.add_argument("--keep-warm-ms", type=float, default=4.0, metavar="MS",
                        help="while a prefill worker has none of this router's prompts, and for 2 s after the last "
                             "one, send it an empty message on its open call whenever the call was quiet this long: "
                             "gRPC takes the next prompt in about twice as fast as after a longer quiet (0: off; "
-                            "default 4)")
+                            "default %(default)g)")
 
 
 async def run_router(args: argparse.Namespace, on_ready=None) -> None:
@@ -431,7 +432,7 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
                           max_request_bytes=getattr(args, "max_request_bytes", 16 << 20),
                           tokenize_threads=getattr(args, "tokenize_threads", 2),
                           stream_interval=getattr(args, "stream_interval", 1),
-                          keep_warm_ms=getattr(args, "keep_warm_ms", 4.0),
+                          keep_warm_ms=getattr(args, "keep_warm_ms", RouterConfig.keep_warm_ms),
                           warm_pairs=not getattr(args, "skip_warmup", False))
     router = Router(config, pool, ownership, metrics, tokenizer)
     mport = _serve_metrics(metrics, args.metrics_port, args.host)
