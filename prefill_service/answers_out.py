@@ -1,7 +1,7 @@
 """First tokens out before the KV hand-over, when nothing else waits for the prefill worker's engine.
 
 The engine thread tells the event loop a prompt's first token as soon as it is sampled (PrefillEngine's
-on_first_token), then hands the prompt's KV over: the gathers, the NextN layer's one-token forward, the aux record.
+on_first_tokens), then hands the prompt's KV over: the gathers, the NextN layer's one-token forward, the aux record.
 Both threads need the GIL, and the answer waited behind the hand-over's host work.
 
 Measured on the CPU machine through the product (`bench_serving.py --device cpu --models demo --concurrency 1

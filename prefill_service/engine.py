@@ -77,16 +77,17 @@ class PrefillEngine(StepHooks):
 
     def __init__(self, core: LLMEngine, sender: KVSender,
                  on_blocks: Optional[Callable[[list[bytes]], None]] = None, max_queued: int = 256,
-                 layerwise: bool = True, on_first_token: Optional[Callable[["PrefillResult"], None]] = None,
+                 layerwise: bool = True,
+                 on_first_tokens: Optional[Callable[[list["PrefillResult"]], None]] = None,
                  before_hand_over: Optional[Callable[[list[str]], None]] = None):
-        """on_first_token(result): told, on the engine thread, the result of a bound prompt without logprobs as soon
-        as its first token is sampled, before its KV is handed over (the router sends that token to its client at
-        once: on an H200 the rest of the step and the hand-off took 2.3 ms of the V3 slice's TTFT); `step` then
-        leaves it out. Without it, or for the other prompts, results come from `step`. before_hand_over(request
-        ids): called next, on the engine thread, with the ids on_first_token was told in this step (the worker may
+        """on_first_tokens(results): told once per step, on the engine thread, the results of the bound prompts
+        without logprobs as soon as their first tokens are sampled, before their KV is handed over (the router sends
+        those tokens to the clients at once: on an H200 the rest of the step and the hand-off took 2.3 ms of the V3
+        slice's TTFT); `step` then leaves them out. Without it, or for the other prompts, results come from `step`.
+        before_hand_over(request ids): called next, on the engine thread, with the ids just told (the worker may
         let its event loop send those answers before the hand-over's host work competes with it)."""
         self.core, self.sender = core, sender
-        self.on_first_token = on_first_token
+        self.on_first_tokens = on_first_tokens
         self.before_hand_over = before_hand_over
         self.layerwise = layerwise
         self.max_queued = max_queued  # prompts waiting for compute; a bounded queue answers "full" at once
@@ -105,7 +106,7 @@ class PrefillEngine(StepHooks):
         self._parked: dict[str, _Parked] = {}
         self._binds: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, handle, dst_pages, ships_mtp)
         self._shipped: list[PrefillResult] = []  # parked prompts shipped at their bind, not yet returned
-        self._told: set[str] = set()  # prompts whose result went to on_first_token this step
+        self._told: set[str] = set()  # prompts whose result went to on_first_tokens this step
         core.hooks = self
 
     def num_layers_for(self, job: PrefillJob) -> int:
@@ -241,16 +242,17 @@ class PrefillEngine(StepHooks):
         for req in prompts:
             mark("prefill.sampled", req.request_id)
         jobs = [self._jobs[req.request_id] for req in prompts]
-        if self.on_first_token is not None:
-            told = []
-            for req, (job, handle), tok in zip(prompts, jobs, first_tokens):
-                if handle is not None and not job.params.wants_logprobs:
-                    self._told.add(req.request_id)
-                    told.append(req.request_id)
-                    self.on_first_token(PrefillResult(req.request_id, tok, req.num_cached_tokens, handle,
-                                                      time.monotonic() - job.arrival_time))
-            if told and self.before_hand_over is not None:
-                self.before_hand_over(told)
+        if self.on_first_tokens is not None:
+            now = time.monotonic()
+            told = [PrefillResult(req.request_id, tok, req.num_cached_tokens, handle, now - job.arrival_time)
+                    for req, (job, handle), tok in zip(prompts, jobs, first_tokens)
+                    if handle is not None and not job.params.wants_logprobs]
+            if told:
+                ids = [r.request_id for r in told]
+                self._told.update(ids)
+                self.on_first_tokens(told)
+                if self.before_hand_over is not None:
+                    self.before_hand_over(ids)
         try:
             self._hand_over(prompts, jobs, first_tokens, hidden)
         except BaseException:  # the prompts already answered hear of it from their decode worker, at once
@@ -279,7 +281,7 @@ class PrefillEngine(StepHooks):
                                            self._slots_of(prompts[i]))
         hidden_host = hidden.detach().to("cpu", torch.float32)  # (prompts, D): one copy for the step's prompts
         for req, (_, handle), tok, h in zip(prompts, jobs, first_tokens, hidden_host):
-            aux = {"first_token_id": tok, "cached_tokens": req.num_cached_tokens, "hidden": h.clone(),
+            aux = {"first_token_id": tok, "cached_tokens": req.num_cached_tokens, "hidden": h,  # (the sender copies)
                    "rng_state": _rng_state(req.generator)}
             if handle is not None:
                 mark("prefill.handed_over", req.request_id)  # (before: the confirmation may come back first)

@@ -91,7 +91,7 @@ class PrefillWorker:
         self.answers = AnswersOut()
         self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held,
                                     max_queued=config.max_queued_requests, layerwise=config.kv_layerwise,
-                                    on_first_token=self._answer_early, before_hand_over=self._let_answers_out)
+                                    on_first_tokens=self._answer_early, before_hand_over=self._let_answers_out)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
@@ -118,15 +118,13 @@ class PrefillWorker:
 
     def _deliver(self, results) -> None:
         for r in results:
-            self._deliver_one(r)
+            self.metrics.ttft.observe(r.ttft_s)
+        self.deliveries.resolve_many([(r.request_id, r) for r in results])
 
-    def _deliver_one(self, result) -> None:
-        self.metrics.ttft.observe(result.ttft_s)
-        self.deliveries.resolve(result.request_id, result)
-
-    def _answer_early(self, result) -> None:
-        self.answers.expect(result.request_id)
-        self._deliver_one(result)
+    def _answer_early(self, results) -> None:
+        for r in results:
+            self.answers.expect(r.request_id)
+        self._deliver(results)
 
     def _let_answers_out(self, told: list[str]) -> None:
         """Engine thread, between the first tokens and the KV hand-over (see answers_out.py)."""

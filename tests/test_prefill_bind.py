@@ -85,13 +85,13 @@ def test_a_prompt_computed_before_its_bind_is_parked_then_shipped_as_if_bound(ti
     assert engine.apply_binds() == []
 
 
-def test_a_bound_prompts_result_goes_to_on_first_token_before_its_kv_is_handed_over(tiny_v3_dir):
-    """The worker answers Prefill from on_first_token: told at the sampling, before the hand-off, and only for bound
+def test_a_bound_prompts_result_goes_to_on_first_tokens_before_its_kv_is_handed_over(tiny_v3_dir):
+    """The worker answers Prefill from on_first_tokens: told at the sampling, before the hand-off, and only for bound
     prompts without logprobs; step() leaves those out and returns the others; the hand-off is what a job without
     the callback gets."""
     events, told = [], []
     engine = engine_of(tiny_v3_dir, speculative=SpeculativeConfig())  # (logprobs: a worker that does not speculate)
-    engine.on_first_token = lambda result: (told.append(result), events.append(f"told {result.request_id}"))
+    engine.on_first_tokens = lambda results: [(told.append(r), events.append(f"told {r.request_id}")) for r in results]
     prompt = engine.core.encode(PROMPT)
     early = BulkRecordingHandle(events)
     engine.add(PrefillJob("early", prompt, SamplingParams(), list(range(16)), ships_mtp=False), early)

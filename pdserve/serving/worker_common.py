@@ -66,16 +66,26 @@ class Deliveries:
 
     def resolve(self, key: str, value: Any = None, error: BaseException | None = None) -> None:
         """Callable from any thread."""
-        def settle() -> None:
-            fut = self._futures.pop(key, None)
-            if fut is None or fut.done():
-                return
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)
+        self.loop.call_soon_threadsafe(self._settle, key, value, error)
 
-        self.loop.call_soon_threadsafe(settle)
+    def resolve_many(self, values: list[tuple[str, Any]]) -> None:
+        """Callable from any thread: several keys' values in one hand-off (one wake-up of the event loop, where each
+        `resolve` costs the calling thread a write to the loop's self-pipe and the GIL taken back after it)."""
+        if values:
+            self.loop.call_soon_threadsafe(self._settle_many, values)
+
+    def _settle_many(self, values: list[tuple[str, Any]]) -> None:
+        for key, value in values:
+            self._settle(key, value, None)
+
+    def _settle(self, key: str, value: Any, error: BaseException | None) -> None:
+        fut = self._futures.pop(key, None)
+        if fut is None or fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
 
     def fail_all(self, error: BaseException) -> None:
         for key in list(self._futures):
