@@ -4,6 +4,7 @@ sampling and stop conditions, and KV accounting back to idle."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kv_cache import CacheConfig
@@ -124,6 +125,11 @@ def test_bad_input_is_rejected(tiny_v3_dir):
         engine.add_request([], GREEDY)
     with pytest.raises(ValueError, match="out of the vocabulary"):
         engine.add_request([1, engine.model_config.vocab_size], GREEDY)
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        engine.add_request([-1, 1], GREEDY)
+    with pytest.raises(ValueError, match="must be integers"):
+        engine.add_request([1, 2.0], GREEDY)
+    assert engine.encode(torch.tensor([3, 1, 2])) == [3, 1, 2]  # integer tensors and their elements are fine
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request([5] * 5000, GREEDY)
     assert not engine.has_unfinished

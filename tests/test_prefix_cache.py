@@ -76,8 +76,8 @@ def test_a_sequences_keys_are_made_once_through_its_memo(monkeypatch):
     monkeypatch.setattr(blocks.hashlib, "blake2b", lambda *a, **k: (made.append(1), real(*a, **k))[1])
     memo: list[bytes] = []
     alloc, cache, _ = make(page_size=4)
-    pages, _ = cache.match(tokens[:18], memo)  # a prompt of 18: its 4 full blocks' keys ((18 - 1) // 4)
-    assert len(made) == 4 and memo == expected[:4]
+    pages, _ = cache.match(tokens[:18], memo)  # a fresh prompt of 18: its first block's key, the rest at its insert
+    assert len(made) == 1 and memo == expected[:1]
     pages += alloc.alloc(5)
     cache.insert(tokens[:18], pages, memo)
     cache.insert(tokens[:23], pages, memo)  # after 5 generated tokens: one new full block
@@ -87,6 +87,11 @@ def test_a_sequences_keys_are_made_once_through_its_memo(monkeypatch):
     plain_pages = plain.match(tokens[:18])[0] + plain_alloc.alloc(5)
     plain.insert(tokens[:23], plain_pages)
     assert cache.hashes() == plain.hashes() and pages == plain_pages
+    again: list[bytes] = []
+    made.clear()
+    monkeypatch.setattr(blocks.hashlib, "blake2b", lambda *a, **k: (made.append(1), real(*a, **k))[1])
+    hit, cached = cache.match(tokens[:18], again)  # a cached first block: the 4 keys its longest match needs
+    assert (hit, cached) == (pages[:4], 16) and len(made) == 4 and again == expected[:4]
 
 
 # ---- match / insert -------------------------------------------------------------------------------------------
