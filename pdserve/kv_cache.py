@@ -10,7 +10,6 @@ Pages are reference counted so that requests can share prefix pages with each ot
 
 from __future__ import annotations
 
-import array
 import heapq
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -18,36 +17,17 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
-def slot_ids(pages: Sequence[int], end: int, page_size: int, start: int = 0) -> array.array:
-    """Flat slot ids of token positions `start .. end-1` of a sequence with page table `pages`, as int64 on the host.
+def token_slots(pages: Sequence[int], end: int, page_size: int, start: int = 0,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """Flat slot ids `(end - start,)` of token positions `start .. end-1` of a sequence with page table `pages`.
 
     The one place positions become slots: position p lives in slot `pages[p // page_size] * page_size + p % page_size`.
-    Pure Python, as fast as the torch arithmetic it replaced at 512 tokens: each host torch op lets the GIL go and
-    must take it back, and an H200 profile of a prefill worker at c=32 (engine thread waiting for the GIL 29.6% of
-    its step) found most waits on those ops. Without them a same-call A/B through the stack showed no change in
-    prompts-only input or c=1 TTFT (benchmarks/results/README.md): the other threads take the GIL at the forward's
-    ops instead, it seems.
     """
     if not 0 <= start <= end <= len(pages) * page_size:
         raise ValueError(f"token range [{start}, {end}) does not fit {len(pages)} pages of {page_size}")
-    first = start // page_size
-    slots: list[int] = []
-    for page in pages[first:-(-end // page_size)]:  # whole pages, then the ends trimmed
-        slots += range(page * page_size, (page + 1) * page_size)
-    skip = start - first * page_size
-    return array.array("q", slots[skip:skip + end - start])
-
-
-def host_longs(values: array.array) -> torch.Tensor:
-    """An int64 array as a CPU tensor sharing its memory (one torch op; `torch.frombuffer` refuses an empty buffer)."""
-    return torch.frombuffer(values, dtype=torch.long) if len(values) else torch.empty(0, dtype=torch.long)
-
-
-def token_slots(pages: Sequence[int], end: int, page_size: int, start: int = 0,
-                device: torch.device | str = "cpu") -> torch.Tensor:
-    """`slot_ids` as a tensor `(end - start,)` on `device`."""
-    slots = host_longs(slot_ids(pages, end, page_size, start))
-    return slots if torch.device(device).type == "cpu" else slots.to(device)
+    table = torch.tensor(list(pages), dtype=torch.long, device=device)  # (num_pages_of_seq,)
+    pos = torch.arange(start, end, dtype=torch.long, device=device)  # (n,)
+    return table[pos // page_size] * page_size + pos % page_size  # (n,)
 
 
 def page_runs(

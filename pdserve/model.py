@@ -10,7 +10,6 @@ N = qk_nope_head_dim (128), V = v_head_dim (128), D = hidden_size, E = routed ex
 
 from __future__ import annotations
 
-import array
 from typing import Optional
 
 import torch
@@ -23,7 +22,7 @@ from pdserve.kernels import KernelBackends
 from pdserve.kernels.attention import merge_state
 from pdserve.kernels.moe import RoutingConfig
 from pdserve.kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, yarn_inv_freq
-from pdserve.kv_cache import host_longs, slot_ids
+from pdserve.kv_cache import token_slots
 
 FP8 = torch.float8_e4m3fn
 
@@ -171,13 +170,13 @@ class MLA(nn.Module):
         # materialise at once; partial results merge by log-sum-exp.
         longest = max(batch.prefix_lens, default=0)
         for start in range(0, longest, self.prefix_chunk_tokens):
-            slots, kv_indptr = array.array("q"), [0]
+            slots, kv_indptr = [], [0]
             for pages, prefix_len in zip(batch.page_tables, batch.prefix_lens):
                 end = min(start + self.prefix_chunk_tokens, prefix_len)
                 if end > start:
-                    slots += slot_ids(pages, end, batch.page_size, start)
+                    slots.append(token_slots(pages, end, batch.page_size, start))
                 kv_indptr.append(kv_indptr[-1] + max(end - start, 0))
-            chunk = kv_layer[host_longs(slots).to(kv_layer.device)].to(q.dtype)  # (Tc, R+P)
+            chunk = kv_layer[torch.cat(slots).to(kv_layer.device)].to(q.dtype)  # (Tc, R+P)
             k_c, v_c = self._decompress(*chunk.split([self.rank, self.rope_dim], dim=-1))
             out_c, lse_c = attn.ragged_prefill(q, k_c, v_c, batch.qo_indptr, kv_indptr, False, self.softmax_scale)
             out, lse = merge_state(out, lse, out_c, lse_c)

@@ -12,7 +12,7 @@ import torch
 from pdserve.cuda_graph import DecodeGraphRunner, PackedRows, greedy_draft_chain
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.host_staging import HostStaging
-from pdserve.kv_cache import LatentKVPool, host_longs, slot_ids
+from pdserve.kv_cache import LatentKVPool, token_slots
 from pdserve.model import DeepseekV3
 from pdserve.request import Request
 from pdserve.scheduler import PrefillChunk, SchedulerOutput
@@ -87,17 +87,17 @@ class ModelRunner:
     def mtp_extend(self, chunks: list[PrefillChunk], extend_hidden: torch.Tensor) -> None:
         """Fill the MTP layer's KV at every prefill position whose next token is known: position i takes token
         i+1 and the main model's hidden state at i (all of a chunk but a sampling chunk's last position)."""
-        batch_chunks, rows, offset = [], array.array("q"), 0
+        batch_chunks, rows, offset = [], [], 0
         for c in chunks:
             n = c.num_tokens - (1 if c.samples else 0)
             if n > 0:
                 batch_chunks.append(PrefillChunk(c.request, c.start, n))
-                rows.extend(range(offset, offset + n))
+                rows.append(torch.arange(offset, offset + n))
             offset += c.num_tokens
         if not batch_chunks:
             return
         batch, _ = self.extend_batch(batch_chunks, shift=1)
-        self.model.mtp_forward(batch, extend_hidden[self.staging.upload(host_longs(rows))], self.pool.kv,
+        self.model.mtp_forward(batch, extend_hidden[torch.cat(rows).to(extend_hidden.device)], self.pool.kv,
                                logits=False)  # only its KV is kept
 
     def mtp_decode(self, reqs: list[Request], next_tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
@@ -194,17 +194,16 @@ class ModelRunner:
     def extend_batch(self, chunks: list[PrefillChunk], shift: int = 0) -> tuple[ForwardBatch, list[int]]:
         """Returns the batch and, per chunk, the row index of its last token. shift=1 feeds each position the
         token after it (the MTP layer's input)."""
-        flat, qo_indptr = array.array("q"), [0]  # the token ids, then the positions, then the KV slots
+        ids, positions, slots, qo_indptr = [], [], [], [0]
         for c in chunks:
-            flat.extend(c.request.all_token_ids[c.start + shift: c.start + shift + c.num_tokens])
+            ids += c.request.all_token_ids[c.start + shift: c.start + shift + c.num_tokens]
+            positions.append(torch.arange(c.start, c.start + c.num_tokens))
+            slots.append(token_slots(c.request.pages, c.start + c.num_tokens, self.pool.page_size, c.start))
             qo_indptr.append(qo_indptr[-1] + c.num_tokens)
-        for c in chunks:
-            flat.extend(range(c.start, c.start + c.num_tokens))
-        for c in chunks:
-            flat += slot_ids(c.request.pages, c.start + c.num_tokens, self.pool.page_size, c.start)
         n = qo_indptr[-1]
-        # ONE upload, built on the host in Python (no torch op there: see slot_ids): no copy that waits for the GPU
-        buf = self.staging.upload(host_longs(flat))  # (3n,)
+        # ONE upload for the token ids, positions and KV slots, built on the host: no copy that waits for the GPU
+        ids = torch.frombuffer(array.array("q", ids), dtype=torch.long) if ids else torch.empty(0, dtype=torch.long)
+        buf = self.staging.upload(torch.cat([ids, *positions, *slots]))  # (3n,)
         batch = ForwardBatch(
             ForwardMode.EXTEND,
             input_ids=buf[:n],

@@ -81,16 +81,33 @@ def test_dense_split_k_equals_unsplit(dense_weights, m):
 
 # ---- routing and alignment at V3 sizes -----------------------------------------------------------------------
 
+def _selection_ties(logits: torch.Tensor, bias: torch.Tensor, cfg: RoutingConfig, eps: float = 1e-5) -> bool:
+    """Whether one token's V3 selection is a tie (in fp64): the last chosen group's score (sum of its top 2) and the
+    next group's, or the last chosen expert's and the next one's within the best groups, closer than eps. There fp32
+    sums taken in another order may pick either."""
+    choice = logits.double().sigmoid() + bias.double()  # (E,)
+    grouped = choice.view(cfg.n_group, -1)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1).sort(descending=True)  # (G,)
+    if group_scores.values[cfg.topk_group - 1] - group_scores.values[cfg.topk_group] < eps:
+        return True
+    allowed = grouped[group_scores.indices[:cfg.topk_group]].flatten().sort(descending=True).values
+    return bool(allowed[cfg.top_k - 1] - allowed[cfg.top_k] < eps)
+
+
 @pytest.mark.parametrize("tokens", [1, 16, 128, 4096])
 def test_fused_routing_v3(tokens):
-    logits = torch.randn(tokens, E, device=DEV) * 2
-    bias = torch.randn(E, device=DEV) * 0.1
+    gen = torch.Generator(DEV).manual_seed(tokens)
+    logits = torch.randn(tokens, E, device=DEV, generator=gen) * 2
+    bias = torch.randn(E, device=DEV, generator=gen) * 0.1
     w, ids = triton_routing.fused_select_experts(logits, bias, V3_ROUTING)
     ref_w, ref_ids = select_experts(logits, bias, V3_ROUTING)
     ids_sorted, order = ids.sort(dim=1)
     ref_sorted, ref_order = ref_ids.sort(dim=1)
-    assert torch.equal(ids_sorted, ref_sorted)
-    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=2e-6, atol=1e-6)
+    # A token whose selection is a tie may go either way (a random 4096 x 256 draw met one once): only those.
+    same = (ids_sorted == ref_sorted).all(dim=1)
+    differ = (~same).nonzero().flatten().tolist()
+    assert len(differ) <= max(1, tokens // 1000) and all(_selection_ties(logits[t], bias, V3_ROUTING) for t in differ)
+    torch.testing.assert_close(w.gather(1, order)[same], ref_w.gather(1, ref_order)[same], rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 4096])
