@@ -127,11 +127,10 @@ class Router:
         # (hashing a 2048-token prompt whole took ~0.16 ms of a 2-core CPU machine; on Redis, 1 lookup, not 128).
         hashes: Optional[list[bytes]] = block_hashes(prompt_ids[:block], block)
         matched = await self._owners(hashes) if hashes else {}
-        if matched and len(prompt_ids) >= 2 * block:
-            hashes = block_hashes(prompt_ids, block)
-            matched = await self._owners(hashes)
-        elif len(prompt_ids) >= 2 * block:
-            hashes = None  # (made when the ownership is learnt)
+        if len(prompt_ids) >= 2 * block:  # keys beyond the first one: all of them where it is held, else later
+            hashes = block_hashes(prompt_ids, block) if matched else None
+            if matched:
+                matched = await self._owners(hashes)
         self._turn += 1
         prefill, reason, _ = pick_prefill(prefills, matched, self.config.balance_threshold, self._turn)
         decode = pick_decode(decodes, self._turn)
