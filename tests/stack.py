@@ -152,7 +152,8 @@ def metric(port: int, name: str, **labels) -> float:
 
 
 def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(), redis_url=None,
-                decode_args=(), router_args=()) -> Stack:
+                decode_args=(), router_args=(), timeout_s: float = 90.0) -> Stack:
+    """timeout_s: how long each worker may take to start (GPU workers warm up first)."""
     common = ["--model", str(model_dir), "--page-size", "4", "--num-pages", "512", *engine_args]
     if redis_url:
         common += ["--redis-url", redis_url]
@@ -160,7 +161,7 @@ def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(
     # after them, so that its first poll finds every worker serving.
     specs = [("prefill", [*common, "--worker-id", f"prefill-{i}"], f"prefill-{i}") for i in range(n_prefill)]
     specs += [("decode", [*common, *decode_args, "--worker-id", f"decode-{i}"], f"decode-{i}") for i in range(n_decode)]
-    procs = start_all(specs, log_dir)
+    procs = start_all(specs, log_dir, timeout_s)
     prefill, decode = procs[:n_prefill], procs[n_prefill:]
     workers = []
     if redis_url:
