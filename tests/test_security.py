@@ -1,5 +1,7 @@
 """A stack with every protection on (real processes): TLS on all gRPC links (a self-signed certificate made here),
-a shared internal token on the workers and their KV transfer, an API key on the router."""
+a shared internal token on the workers and their KV transfer, an API key on the router. Its decode worker runs its
+engine in a process of its own (`--engine-process on`): the token reaches the KV receiver there, and the calls the
+token guards (GetLoad, DecodeStream) cross into it."""
 
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ def secure_stack(tiny_v3_dir, tmp_path_factory):
     cert, key = self_signed(logs)
     tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
     common = ["--model", str(tiny_v3_dir), "--page-size", "4", "--num-pages", "256", "--internal-token", TOKEN, *tls]
-    procs = [spawn_tls("prefill", common, logs), spawn_tls("decode", common, logs)]  # their model loads overlap
+    procs = [spawn_tls("prefill", common, logs),  # their model loads overlap
+             spawn_tls("decode", [*common, "--engine-process", "on"], logs)]
     try:
         for p in procs:
             wait_tls_serving(p, cert)
@@ -134,6 +137,7 @@ def test_router_requires_an_api_key_over_tls(secure_stack):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "--api-key" in err.value.details()
     out = generate(router.address, ca, (("authorization", f"Bearer {KEY}"),))  # prefill -> decode KV: token OK
     assert out[-1].HasField("complete") and len(out[-1].complete.output_ids) == 4
+    assert "engine in a process of its own" in decode.log()  # the KV went to the engine process's receiver
 
 
 def test_bench_over_tls_with_an_api_key(secure_stack, tmp_path):
