@@ -29,6 +29,9 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   pacing     what pacing buys: `serving` on the V3 slice, stack only, with the decode worker's steps back to back
              (--decode-gpu-share 1) and as shipped (auto: a third of a contended GPU while prompts are on their way),
              then with a fixed interval (--decode-min-step-interval-ms PACE_MS, default 20) (~3 min warm)
+  prefill-workers  the demo model through `pdserve up` with one and with two prefill workers beside the decode worker
+             on the one GPU, alternating (1, 2, 1, 2): bench_serving.py at concurrency 32 and 128 and prompts only,
+             the engine alone after each stack (~3 min)
   kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
   overlap    overlap scheduling on and off through the product: bench_serving.py on the demo model at concurrency 1
              and 32, once as shipped and once with --disable-overlap-schedule on both sides (~3 min)
@@ -204,6 +207,20 @@ suite_overlap() {  # shipped/ and in_order/: serving.json and serving.md of each
     --engine-arg=--disable-overlap-schedule "$@"
 }
 
+suite_prefill_workers() {  # p<N>_<round>/ (serving.json, serving.md each): one and two prefill workers on the one GPU
+  # The demo model's prefill is host-bound (~13 ms of host work for ~1 ms of GPU work per 512-token prompt): a second
+  # prefill worker, another process, computes on another CPU. One and two alternate (1, 2, 1, 2; fresh stacks), the
+  # engine alone after each; each run's prompts-only line and targets follow it.
+  local d=$1 round n
+  shift
+  for round in 1 2; do
+    for n in 1 2; do
+      step 200 python3 benchmarks/bench_serving.py --out "$d/p${n}_$round" --models demo --concurrency 32 128 \
+        --num-prompts 128 --cuda-graph-max-bs 128 --up-arg=--prefill=$n "$@"
+    done
+  done
+}
+
 suite_trace() {  # trace_<model>_c<C>.json (+ each run's serving.json): where a request's time goes between processes
   # bench_serving.py with PDSERVE_TRACE set: every process of its `pdserve up` timestamps each request's points
   # (pdserve/common/trace.py); benchmarks/trace_report.py lines them up, and at c=32 times the prefill worker's steps
@@ -374,7 +391,8 @@ case "$suite" in
     need_gpus 2 kv
     setup_env
     run_suite kv "$@" ;;
-  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | pacing | overlap | ttft | trace | profile | host)
+  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | pacing | prefill-workers | overlap | ttft | \
+  trace | profile | host)
     need_gpus 1 "$suite"
     setup_env
     run_suite "$suite" "$@" ;;
