@@ -32,6 +32,22 @@ def pdserve(*args, timeout: float = 180) -> subprocess.CompletedProcess:
                                        proc.stderr.decode("utf-8"))
 
 
+def assert_refused(capsys, args: list[str], bad_values) -> None:
+    """Each bad value after `args` (a command and its flag) is refused with exit status 2 and the flag named: the
+    first through the real CLI (a process), the rest by its parser here (the same argparse error, without a process
+    start's second or two each)."""
+    flag = args[-1]
+    proc = pdserve(*args, bad_values[0])
+    assert proc.returncode == 2 and flag in proc.stderr, proc.stderr
+    from pdserve.cli import build_parser
+
+    for bad in bad_values[1:]:
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args([*args, bad])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and flag in err, (bad, err)
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, command: str, *parts: str) -> str:
     """Exit status 2, nothing on stdout, no traceback, and exactly one error line (besides [pdserve] progress)."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
@@ -236,21 +252,19 @@ def test_the_kv_transport_defaults_to_auto(command):
 
 @pytest.mark.parametrize("command, flag", [("decode", "--min-step-interval-ms"),
                                            ("up", "--decode-min-step-interval-ms")])
-def test_decode_pacing_takes_finite_milliseconds_from_the_command_line_or_the_environment(command, flag):
+def test_decode_pacing_takes_finite_milliseconds_from_the_command_line_or_the_environment(command, flag, capsys):
     from pdserve.cli import build_parser
     from pdserve.cli.env import parse_args
 
     parser = build_parser()
     assert parser.parse_args([command]).min_step_interval_ms == 0  # off by default
     assert parser.parse_args([command, flag, "20"]).min_step_interval_ms == 20.0
-    for bad in ("-1", "inf", "nan", "soon"):
-        proc = pdserve(command, flag, bad)
-        assert proc.returncode == 2 and flag in proc.stderr, proc.stderr
+    assert_refused(capsys, [command, flag], ("-1", "inf", "nan", "soon"))
     variable = "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
     assert parse_args(build_parser(), [command], {variable: "12.5"}).min_step_interval_ms == 12.5
 
 
-def test_the_decode_gpu_share_takes_a_fraction_and_up_picks_a_third_when_the_workers_share_a_gpu():
+def test_the_decode_gpu_share_takes_a_fraction_and_up_picks_a_third_when_the_workers_share_a_gpu(capsys):
     from pdserve.cli import build_parser
     from pdserve.cli.env import parse_args
     from pdserve.cli.up import SHARED_GPU_DECODE_SHARE, decode_gpu_share
@@ -265,9 +279,7 @@ def test_the_decode_gpu_share_takes_a_fraction_and_up_picks_a_third_when_the_wor
     assert decode_gpu_share(parser.parse_args(["up", "--decode-gpu-share", "0.5"])) == 0.5
     assert decode_gpu_share(parse_args(build_parser(), ["up"], {"PDSERVE_DECODE_GPU_SHARE": "1"})) == 1.0
     for command, flag in (("decode", "--gpu-share-while-prefilling"), ("up", "--decode-gpu-share")):
-        for bad in ("0", "1.5", "-0.2", "nan", "half"):
-            proc = pdserve(command, flag, bad)
-            assert proc.returncode == 2 and flag in proc.stderr, proc.stderr
+        assert_refused(capsys, [command, flag], ("0", "1.5", "-0.2", "nan", "half"))
 
 
 @pytest.mark.parametrize("servers_handler", [True, False])
