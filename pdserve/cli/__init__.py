@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     ug = up.add_argument_group("stack")
     ug.add_argument("--host", default="127.0.0.1")
     ug.add_argument("--port", type=int, default=50051, help="router's client port (default 50051)")
-    ug.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    ug.add_argument("--prefill", type=int, default=1, metavar="N",
+                    help="prefill workers (default 1), each a process with its own model copy and KV pool; with "
+                         "--device cuda they share one GPU (with --kv-transport nccl, a GPU each). Where the prefill "
+                         "forward is host-bound (a small model), 2 take in about twice the prompts, for a longer TPOT "
+                         "while they come in (README, Serving)")
     ug.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
     ug.add_argument("--redis-url", default=None, help="Redis for discovery and prefix ownership (optional)")
     ug.add_argument("--balance-threshold", type=int, default=4)
