@@ -7,11 +7,11 @@ quantization included ("linear"). MoE (DeepSeek-V3: E=256, top-8, H=7168, I=2048
 grouped GEMMs alone and the whole fused layer at prefill sizes; their ceiling is cuBLAS FP8 on one dense GEMM of
 the same total size (M = T * top_k rows), so routing imbalance and padding count against us.
 
-    python benchmarks/bench_moe_gemm.py --out benchmarks/results/moe_gemm_h100.json
+    python benchmarks/bench_moe_gemm.py --out /tmp/moe_gemm.json
     python benchmarks/bench_moe_gemm.py --m 1 16 128 4096 8192 --moe-tokens 4096 8192 --sweep
     python benchmarks/bench_moe_gemm.py --skip-dense --moe-config /tmp/moe.json   # a config table not yet committed
 
-NOTE: small-M numbers re-read weights that stay in L2 between iterations (50 MB on H100); they are upper bounds.
+NOTE: small-M numbers re-read weights that stay in L2 between iterations; they are upper bounds.
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ def bench_moe(token_counts: list[int], config_path: str | None = None) -> list[d
 
 
 # Tiles of the contiguous-layout grouped GEMM: (block_m, config). Triton (triton_grouped_gemm.py): BLOCK_N,
-# GROUP_M, warps, stages; warp-specialized variants are not timed: they hung on the H100 with Triton 3.6 (gpu_run20,
-# 21). Gluon (gluon_grouped_gemm.py, Hopper): 128 x 128 tiles per 64 rows of 4 warps, STAGES, UNROLL.
+# GROUP_M, warps, stages; warp-specialized variants are not timed: they hang on Hopper with Triton 3.6.
+# Gluon (gluon_grouped_gemm.py, Hopper): 128 x 128 tiles per 64 rows of 4 warps, STAGES, UNROLL.
 def _triton_tile(block_n, group_m, warps, stages):
     return dict(BLOCK_N=block_n, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 

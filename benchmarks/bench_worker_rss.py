@@ -6,12 +6,8 @@
 Starts 1 prefill + 1 decode worker and a router (real processes, free ports, the CLI's pool size), sends each
 phase's requests (distinct short prompts, so the prefix cache keeps taking new pages) at --concurrency, and reads
 VmRSS from /proc after each phase. The KV pool's size is printed beside it: RSS may grow by up to that much before
-every page has been written once.
-
-Measured (CPU, 2 shared cores, models/tiny-trained, the command above): prefill 364 MB at start, 556 MB after 3000
-requests, then 558 / 534 / 553 MB after 6000 / 9000 / 12000; decode 376 -> 413 -> 414; router 58 -> 60. The
-growth of the issue's 3000-request run is warm-up (the prefix cache's pool pages written for the first time,
-allocator caches for each batch shape), not a leak.
+every page has been written once: growth that stops after the first phase is warm-up (the prefix cache's
+pool pages written for the first time, allocator caches for each batch shape), growth in every phase a leak.
 """
 
 from __future__ import annotations

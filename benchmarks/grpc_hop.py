@@ -1,7 +1,7 @@
 """How long one gRPC message takes from one process to another on this host, after the idle gaps a request sees.
 
 At concurrency 1 a prompt's first token crosses four process hops in a row (client -> router -> prefill worker ->
-router -> client), most of them into a process that sat idle for a whole decode (~100 ms on the demo model). What
+router -> client), most of them into a process that sat idle for a whole decode. What
 one such hop costs on a machine bounds the TTFT the stack can reach against the engine's prefill, whatever the stack's
 own code does. This measures bare grpc.aio (no pdserve code), two processes on 127.0.0.1:
 

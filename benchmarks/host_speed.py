@@ -1,10 +1,8 @@
 """How fast each CPU of this machine runs Python right now.
 
-A host-bound engine follows the speed of the CPU its thread runs on: the demo model's 512-token prefill is ~13 ms of
-host work (launches, Python) for ~1 ms of GPU work on an H200 (`h200/ttft.log`). On a virtual machine the CPUs need
-not run at one speed: on the H200 machine a pure-Python loop took 6.5-7.7 ms on some vCPUs and 9-16 ms on others,
-changing within seconds, and the demo prefill pinned to one vCPU took 16-19 ms on most and up to 40 ms on one. Two
-host-bound numbers from two processes (the stack's, the engine alone's) then differ by which CPUs they landed on.
+A host-bound engine follows the speed of the CPU its thread runs on: the demo model's prefill is mostly host work
+(launches, Python), little GPU work. On a virtual machine the CPUs need not run at one speed, nor keep the same
+speed from one second to the next. Two host-bound numbers from two processes (the stack's, the engine alone's) then differ by which CPUs they landed on.
 `bench_serving.py` records this at its start and end, so a table carries the machine's spread beside its ratios.
 
     python benchmarks/host_speed.py [--rounds 3] [--json FILE]
@@ -61,7 +59,7 @@ def summary(times: dict[int, list[float]]) -> dict:
 
 
 def describe(s: dict) -> str:
-    """One line: 'pure-Python loop per CPU 6.52-13.90 ms (median 7.01), 5 of 16 CPUs over 1.3x the fastest'."""
+    """One line: 'pure-Python loop per CPU A-B ms (median M), N of C CPUs over 1.3x the fastest'."""
     return (f"pure-Python loop per CPU {s['fastest_ms']:.2f}-{s['slowest_ms']:.2f} ms (median {s['median_ms']:.2f}), "
             f"{len(s['slow_cpus'])} of {s['cpus']} CPUs over {SLOW}x the fastest")
 

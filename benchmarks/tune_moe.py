@@ -50,8 +50,7 @@ def gemm(block_n: int, warps: int, stages: int, group_m: int = 16, block_k: int 
 # plus the larger tiles that compile without register spills for sm_90 (ptxas, Triton 3.6): 64 x 256 and
 # 128 x 128 at 8 warps. 128 x 256 spills, as did the old two-accumulator gate-up at 128 x 128. The down GEMM also
 # has contiguous-layout candidates (LAYOUT "contiguous": TMA loads, triton_grouped_gemm.py), the best tiles of
-# bench_moe_gemm.py --contiguous on the H100 (benchmarks/results/h100/moe_contiguous_h100.json); the smaller and
-# slower ones of the 2026-11-23 sweep (moe_sweep_h100.json, in git history) are left out.
+# bench_moe_gemm.py --contiguous (see benchmarks/results/README.md, `moe`).
 PREFILL = {
     64: {"gate_up": [gemm(256, 8, 3), gemm(256, 8, 4), gemm(256, 8, 4, group_m=8)],
          "down": [gemm(256, 8, 4), gemm(256, 8, 3), gemm(128, 4, 4, group_m=8, layout="contiguous"),

@@ -82,15 +82,14 @@ def validate_backend(kind: str, name: str, device: torch.device | str) -> None:
         raise ValueError(f"{flag} cannot run here: {reason}")
 
 
-# Fastest first; the torch references always exist. deep_gemm where its build runs here (H200, same run: see
-# benchmarks/results/h200/deep_gemm.md); scaled_mm: 86-92% of cuBLAS FP8 at M>=4096 on H100, triton 39-51%.
+# Fastest first; the torch references always exist. deep_gemm where its build runs here, then scaled_mm, then triton
+# (see benchmarks/results/README.md, `moe`).
 PREFERENCE = {"attention": ("flashinfer", "triton", "torch"), "moe": ("deep_gemm", "triton", "torch"),
               "gemm": ("deep_gemm", "scaled_mm", "triton", "torch")}
 
 
 # Decoding under CUDA graphs: FlashInfer schedules on the host, so each graphed step re-plans before its replay,
-# which costs more than its kernels save up to batch 32 (V3 slice on an H100, ctx 4096: 2.47 vs 2.89 ms at batch 1,
-# 5.11 vs 6.64 at 8, equal at 32; benchmarks/results/README.md). Prefill and eager decoding keep FlashInfer first.
+# which costs more than its kernels save up to batch 32 (see benchmarks/results/README.md, `decode`). Prefill and eager decoding keep FlashInfer first.
 GRAPHED_DECODE_ATTENTION = ("triton", "flashinfer", "torch")
 
 

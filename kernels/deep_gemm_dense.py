@@ -3,9 +3,9 @@ DeepGEMM's `fp8_gemm_nt` (FACTS §2), next to "scaled_mm" and "triton" (triton_g
 
 y = (x_q * x_scale) @ (W_q * W_scale)^T: activations quantized per token per 128 channels by our Triton kernel,
 fp32 scales written MN-major with M padded to 4 (DeepGEMM's TMA-aligned layout on sm_90: given row-major scales it
-copies them into it, 4% of the GEMM at 4096 x 2048 x 7168 on the H200), weights and their (ceil(N/128), K/128)
+copies them into it, an extra kernel per GEMM), weights and their (ceil(N/128), K/128)
 fp32 scales as the checkpoint stores them. Shapes DeepGEMM does not take (K not a multiple of
-128, N not a multiple of 8, outputs other than bf16), fewer than MIN_ROWS rows (measured slower or no faster there)
+128, N not a multiple of 8, outputs other than bf16), fewer than MIN_ROWS rows (slower or no faster there)
 and non-FP8 weights go to the scaled_mm / Triton path.
 
 Registered wherever the deep_gemm package is installed; whether it runs here is checked in a child process
@@ -22,11 +22,10 @@ from .gemm import FP8_DTYPE, GEMM_BACKENDS
 from .triton_gemm import TritonGemm, scaled_mm_blockwise_available
 
 GROUP = 128
-# DeepGEMM from this many rows up; fewer go to scaled_mm (cuBLAS). H200 (benchmarks/results/h200/deep_gemm.md): at
-# M = 4096 and 16384 DeepGEMM's GEMM is 68-101% of cuBLAS FP8 per-tensor, ahead of scaled_mm in 13 of 18 V3 shapes x
-# sizes, and the V3-slice prefill of 4k / 16k tokens is faster with it; at M = 2048 (the engine's default prefill
-# chunk) its linear is slower on the narrow projections (q_a 196 vs 116 us, kv_a 222 vs 121 us) and the 1k prefill
-# was 5% slower; under decode's CUDA graphs (M <= 128) the step time was the same within 2%.
+# DeepGEMM from this many rows up; fewer go to scaled_mm (cuBLAS). From 4096 rows DeepGEMM is ahead of scaled_mm on
+# most V3 shapes and the long prefills are faster with it; at 2048 rows (the engine's default prefill chunk) it is
+# slower on the narrow projections (q_a, kv_a), and under decode's CUDA graphs it gains nothing (see
+# benchmarks/results/README.md, `moe` / DeepGEMM).
 MIN_ROWS = 4096
 
 

@@ -1,6 +1,6 @@
 """The "deep_gemm" MoE backend: block-FP8 experts on DeepGEMM's grouped FP8 GEMMs (FACTS §2), the contiguous
 layout for prefill and the masked layout for decode (grouped_contract.py has both layouts and the contract); batches
-where our Triton fused MoE measured faster (every decode batch on the H200) go to it instead (TRITON_MAX_TOKENS).
+where our Triton fused MoE is faster (every decode batch) go to it instead (TRITON_MAX_TOKENS).
 
 Registered wherever the deep_gemm package is installed; whether it runs here (the right torch, a Hopper GPU) is
 checked once, in a child process, when a backend is resolved or this one is built (deep_gemm_ops.py), so that
@@ -32,14 +32,13 @@ from .moe import MOE_BACKENDS, MoEBackend
 
 # NOTE: the masked GEMM computes and stores whole BLOCK_M-row tiles (64 or 128 on sm_90) of each group's slab, rows
 # past masked_m included, so every slab must hold whole tiles: with 16-row slabs a group's tile overwrote the next
-# groups' rows (H200, sgl-deep-gemm 0.1.4.post1: relative error 1.0), with 128-row slabs it is exact.
+# groups' rows (sgl-deep-gemm 0.1.4.post1), with 128-row slabs it is exact.
 MASKED_M_ALIGN = 128
-# Up to this many tokens the Triton fused MoE is faster than DeepGEMM's contiguous grouped GEMMs (H200, one run,
-# benchmarks/results/h200/deep_gemm.md: 1.88 vs 3.34 ms at 128 tokens, 4.22 vs 4.37 at 1536, even at 2048, 6.94 vs
-# 5.74 at 4096), so the backend hands such batches to it. The masked layout beats both at 1024 tokens (3.35 ms) but
-# needs E x T-row slabs (7.8 GB of transient buffers at 1024 tokens) and trails Triton at every decode batch (1.88 vs
-# 1.66 ms at 128), so it is used only when asked for (triton_max_tokens=0). Applies to the real DeepGEMM only: with
-# stand-in ops every size runs the contract.
+# Up to this many tokens the Triton fused MoE is faster than DeepGEMM's contiguous grouped GEMMs (see
+# benchmarks/results/README.md, `moe` / DeepGEMM), so the backend hands such batches to it. The masked layout needs
+# E x T-row slabs (gigabytes of transient buffers at prefill sizes) and trails Triton at every decode batch, so it is
+# used only when asked for (triton_max_tokens=0). Applies to the real DeepGEMM only: with stand-in ops every size
+# runs the contract.
 TRITON_MAX_TOKENS = 1536
 
 

@@ -2,7 +2,7 @@
 GEMMs under the names that build gives them. Shared by the "deep_gemm" MoE backend (deep_gemm_moe.py) and dense
 GEMM backend (deep_gemm_dense.py). Imports neither deep_gemm nor triton at module import.
 
-Builds (FACTS §2): verified is SGLang's `sgl-deep-gemm==0.1.4.post1` on torch 2.11 + CUDA 13 (H200). Its compiled
+Builds (FACTS §2): verified is SGLang's `sgl-deep-gemm==0.1.4.post1` on torch 2.11 + CUDA 13 (Hopper). Its compiled
 `_C.so` links libtorch and libcudart.so.13, so it loads only under a torch of that build; later sgl-deep-gemm
 releases (0.2.x) are built for a newer torch and fail to load under 2.11. Upstream `deep-gemm` 2.x uses the same
 names except for the masked GEMM; 1.x names are accepted as a fallback (not run here).

@@ -218,8 +218,8 @@ class FlashInferAttention(AttentionBackend):
     # ---- decode ----------------------------------------------------------------------------------------------
     def mla_decode(self, q_latent, q_pe, kv_layer, page_table, seq_lens, page_size, sm_scale):
         if (q_latent.shape[-1], q_pe.shape[-1]) != (512, 64):
-            # FlashInfer's MLA kernels are built for DeepSeek's 512 + 64 only (other widths read out of bounds,
-            # seen on an H100); small test models use our Triton kernel.
+            # FlashInfer's MLA kernels are built for DeepSeek's 512 + 64 only (other widths read out of bounds);
+            # small test models use our Triton kernel.
             return self._fallback().mla_decode(q_latent, q_pe, kv_layer, page_table, seq_lens, page_size, sm_scale)
         if self._graph_plan is not None:
             return self._graph_plan.mla_decode(q_latent, q_pe, kv_layer, page_table, seq_lens, page_size, sm_scale)
@@ -260,8 +260,8 @@ class FlashInferAttention(AttentionBackend):
         tq, heads, dqk = q.shape
         dv = v.shape[-1]
         if (dqk, dv) not in _FLASHINFER_PREFILL_DIMS:
-            # FlashInfer's sm90 ragged prefill is built for DeepSeek's 192/128 only (seen on an H100: other widths
-            # fail its static asserts); other widths (small test models) use our Triton kernel.
+            # FlashInfer's sm90 ragged prefill is built for DeepSeek's 192/128 only (other widths fail its
+            # static asserts); other widths (small test models) use our Triton kernel.
             return self._fallback().ragged_prefill(q, k, v, qo_indptr, kv_indptr, causal, sm_scale)
         if qo_indptr[-1] == qo_indptr[0] or kv_indptr[-1] == kv_indptr[0]:  # nothing to attend: skip the plan
             return (q.new_zeros(tq, heads, dv),

@@ -6,9 +6,9 @@ scales, d (M, N) bf16, m_indices (M,) = each row's group, -1 on padding rows, wh
 rows start on a multiple of `block_m`).
 
 Why Gluon: the FP8 recipe promotes every 128-wide K step's product to fp32 with its scales, because the tensor
-core's FP8 accumulation keeps only ~14 bits (gpu_run19). In `tl.dot` a product that is scaled before it is
+core's FP8 accumulation keeps only ~14 bits. In `tl.dot` a product that is scaled before it is
 accumulated cannot stay in flight, so Triton waits for every wgmma before its promotion and the tensor core idles
-through the scale FMAs (benchmarks/results/README.md, "K_PAIR"). Gluon exposes wgmma's asynchrony: step k's product
+through the scale FMAs. Gluon exposes wgmma's asynchrony: step k's product
 is issued into its own registers, then `warpgroup_mma_wait(1)` waits only for step k-1's, which is promoted while
 step k runs. DeepGEMM gets the same overlap from two math warp groups plus a TMA producer warp; here both warp
 groups run the one loop and TMA refills are issued from it, as in Triton's own pipelined matmuls.
@@ -61,7 +61,7 @@ def _k_step_scale(as_ptrs, bs_base, stride_asg, stride_bsk, kt):
 @gluon.jit
 def _issue_k_step(a_bufs, b_bufs, bars, zero, kt, STAGES: gl.constexpr):
     """Wait for K step kt's tiles and start its wgmma. Its product starts from zero (`use_acc=False`) every K step:
-    the tensor core's FP8 accumulation keeps only ~14 bits (gpu_run19). Returns the in-flight product."""
+    the tensor core's FP8 accumulation keeps only ~14 bits. Returns the in-flight product."""
     stage = kt % STAGES
     mbarrier.wait(bars.index(stage), (kt // STAGES) & 1)
     return warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), zero, use_acc=False,

@@ -11,8 +11,7 @@ the warps do no address arithmetic for the tiles. Accumulation stays exact to th
 product starts from zero in the tensor core (its FP8 accumulation keeps about 14 bits) and is scaled and added in
 fp32, as DeepGEMM does. DeepGEMM also warp-specializes (a producer warp group for the TMA copies, consumer groups
 for wgmma and promotion); Triton 3.6's Hopper warp specialization (`tl.range(..., warp_specialize=True)`)
-compiles this kernel but hung on the H100 (benchmarks/results/gpu_run20_h100.log, gpu_ws_diag_h100.log), so it
-is not used.
+compiles this kernel but the kernel hangs on Hopper with it, so it is not used.
 
 Imports triton: imported lazily by the backends, never by pdserve.kernels (see triton_support.py).
 """
@@ -64,7 +63,7 @@ def _grouped_fp8_contiguous_kernel(a_desc, as_ptr, b_desc, bs_ptr, d_ptr, m_idx_
         b = b_desc.load([b_row0, kt * BLOCK_K])  # (BLOCK_N, BLOCK_K) fp8, K-contiguous as wgmma wants
         scale = tl.load(as_ptrs + kt * stride_asg) * tl.load(bs_ptrs + kt * stride_bsk)  # (BLOCK_M,)
         # NOTE: the product starts from zero every K step and is promoted to fp32 here: the tensor core's FP8
-        # accumulation keeps only ~14 bits; accumulating all of K = 7168 in it was 6e-3 off on average (gpu_run19).
+        # accumulation keeps only ~14 bits, too few to accumulate all of K = 7168 in it.
         acc += tl.dot(a, b.T) * scale[:, None]
     rows_ok = tl.load(m_idx_ptr + offs_m) >= 0  # padding rows stay untouched
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,8 +72,8 @@ def _grouped_fp8_contiguous_kernel(a_desc, as_ptr, b_desc, bs_ptr, d_ptr, m_idx_
 
 
 def default_contiguous_config(block_m: int) -> dict:
-    """Tiles for `m_grouped_fp8_gemm_nt_contiguous`: the best of the H100 sweep in gpu_run21 (64 x 128 at 4 warps;
-    128-row blocks need 8 warps to keep the fp32 tile and its K-step product in registers)."""
+    """Tiles for `m_grouped_fp8_gemm_nt_contiguous`: the best of `bench_moe_gemm.py --contiguous`'s sweep (64 x 128
+    at 4 warps; 128-row blocks need 8 warps to keep the fp32 tile and its K-step product in registers)."""
     return dict(BLOCK_N=128, BLOCK_K=GROUP, GROUP_M=8, num_warps=8 if block_m == 128 else 4, num_stages=4)
 
 

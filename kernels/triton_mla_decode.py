@@ -63,9 +63,9 @@ class DecodeConfig:
 
 # The defaults, by dtype and head count; the sweep prints replacement lines for the last two.
 FP32_CONFIG = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)  # fp32 tiles are twice as large
-# The two below won `benchmarks/bench_mla_decode.py --sweep` on an H100 (B=64, ctx 4096, page 64, bf16; graph-replay
-# kernel time; benchmarks/results/mla_decode_sweep_h100.json): 16 heads 0.114 ms (old default 0.120), 128 heads
-# 0.290 ms (old 0.442). 7 stages triple-buffer the gathered tile loads (see DecodeConfig).
+# The two below won `benchmarks/bench_mla_decode.py --sweep` (B=64, ctx 4096, page 64, bf16; graph-replay kernel
+# time; see benchmarks/results/README.md, `mla-tune`). 7 stages triple-buffer the gathered tile loads (see
+# DecodeConfig).
 FEW_HEADS_CONFIG = DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=7,  # heads < 64 (V3 over 8 GPUs)
                                 programs_per_sm=0.5, min_tokens_per_split=512)
 # 64 heads per latent tile: M=64 allows Hopper's wgmma; 128 heads read each tile in two programs (shared via L2).
@@ -96,7 +96,7 @@ def choose_num_splits(batch: int, heads: int, max_pages: int, page_size: int, bl
 # Triton compiles a variant per specialization of its integer arguments (== 1, a multiple of 16). Arguments that
 # follow a request's length (max_pages and the page table's row stride: its width) are not specialized: the eager
 # callers (a prefill worker's one-token NextN forward over each prompt) would compile a variant for a prompt length
-# the warm-up never ran, in a request (377 ms on an H200, the demo model's first 512-token prompt). Nor is the
+# the warm-up never ran, in a request (a compile of hundreds of ms). Nor is the
 # split count; so this kernel has two variants in all (DIRECT or not), whatever the lengths.
 LENGTH_ARGS = ["max_pages", "pages_per_split", "stride_pt_b", "stride_ml_b", "stride_ml_h"]
 

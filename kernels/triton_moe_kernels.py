@@ -315,8 +315,8 @@ def _contiguous_experts(a, a_scale, topk_weights, w13, w2, w13_scale, w2_scale, 
     """Both GEMMs on DeepGEMM's contiguous layout (a config whose gate_up says "LAYOUT": "contiguous"): the token
     rows gathered into the aligned layout, gate-up into bf16, SiLU-and-mul with the 1x128 quantization, the down
     GEMM, the weighted combine. The gather and the bf16 round trip cost a pass over the activations each, which
-    pays where the grouped GEMM is enough faster than the fused gate-up: the Gluon kernel at >= 16k tokens on the
-    H100 (benchmarks/results/README.md, gpu_run24)."""
+    pays where the grouped GEMM is enough faster than the fused gate-up: the Gluon kernel at >= 16k tokens (see
+    benchmarks/results/README.md, `moe`)."""
     from .triton_grouped_gemm import m_grouped_fp8_gemm_nt_contiguous
 
     rows_a, rows_s, m_indices = contiguous_layout(a, a_scale, aligned, top_k, align=aligned.block_m)

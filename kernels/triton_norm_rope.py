@@ -7,7 +7,7 @@ NextN layer seven norms: in a CUDA graph of the 8-layer demo model that is about
 
 Both kernels keep the references' rounding steps (normalise in fp32, cast to the input dtype, then scale;
 rotate with cos/sin cast to the input dtype and every product and sum rounded to it). Under the CPU interpreter the
-rotation matches the reference bit for bit; compiled on an H100 both kernels stay within one rounding step of it
+rotation matches the reference bit for bit; compiled on a GPU both kernels stay within one rounding step of it
 (sum order, rsqrt and fp32 mul-add contraction), which tests/test_gpu_norm_rope.py checks.
 
 Imports triton: imported lazily by norm_rope.py on CUDA tensors, never by pdserve.kernels (see triton_support.py).

@@ -3,9 +3,8 @@
 `torch.cuda.current_stream()` (and `torch.cuda.Event.record()` without a stream, which calls it) resolves the device
 through torch's generic device look-up, an NVML availability check and an environment read included, and builds a
 new Stream object each time. A decode step asks for it several times: each pinned upload's event (HostStaging), two
-events per timed graph replay (ReplayClock), the overlap step's copy event. On the H200 machine's vCPUs that was 6%
-of a speculating decode worker's engine-thread samples (py-spy, demo model, NextN at concurrency 1; the engine-alone
-process: 3.6%), host time added to every round of a host-bound model. Here it is one C call and a dict look-up: the
+events per timed graph replay (ReplayClock), the overlap step's copy event: host time added to every round
+of a host-bound model. Here it is one C call and a dict look-up: the
 device index comes from the caller, and the Stream object of each stream is kept.
 """
 

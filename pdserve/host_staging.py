@@ -3,8 +3,8 @@
 Every engine step uploads a few KB the host just built (token ids, positions, KV slots, page tables). From pageable
 memory a copy waits until the GPU drained the stream (a blocking copy syncs; an asynchronous one from pageable memory
 is staged by the driver behind queued work), which stalls a launch-bound step. Pinning each upload afresh
-(`tensor.pin_memory()`) avoids that, but was the decode engine thread's largest host cost on an H200 at 32 concurrent
-requests (11% of its samples): an allocation from the pinned caching allocator, its events, and the copy. Here each
+(`tensor.pin_memory()`) avoids that, but costs the engine thread more host time than anything else it does per upload: an
+allocation from the pinned caching allocator, its events, and the copy. Here each
 upload is one memcpy into the next buffer of a ring, allocated once.
 
 A buffer is reused `num_buffers` stagings later, and only once the GPU has passed the point where the stage after it

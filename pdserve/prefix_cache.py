@@ -81,7 +81,7 @@ class PrefixCache:
         max_blocks = max(len(token_ids) - 1, 0) // self.page_size
         # The first block's key alone first: where it is not cached (every fresh prompt) no later block can be, and
         # the other keys are left to the insert after the prompt's forward, off its first token's way (hashing a
-        # 2048-token prompt whole took ~0.15 ms of a 2-core CPU machine, on the engine thread before its forward).
+        # long prompt whole is host work on the engine thread before its forward).
         keys = leading_block_hashes(token_ids, self.page_size, min(1, max_blocks), memo)
         if keys and keys[0] in self._blocks:
             keys = leading_block_hashes(token_ids, self.page_size, max_blocks, memo)

@@ -18,7 +18,7 @@ num_nextn_predict_layers 1, model.safetensors in DeepSeek's layout (per-expert t
 model.layers.{num_hidden_layers}.*), tokenizer.json, tokenizer_config.json, and train_metrics.json (loss curve,
 held-out losses, MTP top-1 accuracy, and pdserve's own check: logits parity and speculative acceptance).
 
-    python scripts/train_tiny.py --out models/tiny-trained --device cuda --steps 2500       # about 6 minutes on an H100
+    python scripts/train_tiny.py --out models/tiny-trained --device cuda --steps 2500       # minutes on a GPU
     python scripts/train_tiny.py --out /tmp/tiny --device cpu --steps 20                    # smoke test
 """
 

@@ -107,9 +107,8 @@ def add_engine_process_arg(g, flag: str) -> None:
     g.add_argument(flag, choices=("off", "on"), default="off", dest="engine_process",
                    help="on: run the decode engine (its step loop, model and KV receiver) in a process of its own, "
                         "apart from the gRPC event loop, so that neither waits for the other's GIL and health checks "
-                        "never share a process with the engine. On an H200 it took the engine thread's GIL waits from "
-                        "12.6%% of its step to none, but no client-visible latency or throughput, and it adds about "
-                        "8 s to the worker's start (the engine process imports torch anew); off (default): the engine "
+                        "never share a process with the engine; it gains no client-visible latency or throughput and "
+                        "slows the worker's start (the engine process imports torch anew); off (default): the engine "
                         "runs on a thread of the worker's process")
 
 
