@@ -78,17 +78,13 @@ class PrefillEngine(StepHooks):
     def __init__(self, core: LLMEngine, sender: KVSender,
                  on_blocks: Optional[Callable[[list[bytes]], None]] = None, max_queued: int = 256,
                  layerwise: bool = True,
-                 on_first_tokens: Optional[Callable[[list["PrefillResult"]], None]] = None,
-                 before_hand_over: Optional[Callable[[list[str]], None]] = None):
+                 on_first_tokens: Optional[Callable[[list["PrefillResult"]], None]] = None):
         """on_first_tokens(results): told once per step, on the engine thread, the results of the bound prompts
         without logprobs as soon as their first tokens are sampled, before their KV is handed over (the router sends
-        those tokens to the clients at once: on an H200 the rest of the step and the hand-off took 2.3 ms of the V3
-        slice's TTFT); `step` then leaves them out. Without it, or for the other prompts, results come from `step`.
-        before_hand_over(request ids): called next, on the engine thread, with the ids just told (the worker may
-        let its event loop send those answers before the hand-over's host work competes with it)."""
+        those tokens to the clients at once rather than after the rest of the step and the hand-over); `step` then
+        leaves them out. Without it, or for the other prompts, results come from `step`."""
         self.core, self.sender = core, sender
         self.on_first_tokens = on_first_tokens
-        self.before_hand_over = before_hand_over
         self.layerwise = layerwise
         self.max_queued = max_queued  # prompts waiting for compute; a bounded queue answers "full" at once
         self.pool, self.scheduler = core.pool, core.scheduler
@@ -248,11 +244,8 @@ class PrefillEngine(StepHooks):
                     for req, (job, handle), tok in zip(prompts, jobs, first_tokens)
                     if handle is not None and not job.params.wants_logprobs]
             if told:
-                ids = [r.request_id for r in told]
-                self._told.update(ids)
+                self._told.update(r.request_id for r in told)
                 self.on_first_tokens(told)
-                if self.before_hand_over is not None:
-                    self.before_hand_over(ids)
         try:
             self._hand_over(prompts, jobs, first_tokens, hidden)
         except BaseException:  # the prompts already answered hear of it from their decode worker, at once

@@ -26,12 +26,11 @@ _END = object()  # the router closed its side of the call
 
 class PromptCall:
     """One PrefillStream call. `prefill`: one prompt to its answer (raises ServiceError); `bind`: takes a
-    destination (raises ServiceError); `answered(request_id)`: once an answer is with gRPC (AnswersOut.sent);
-    `drain`: the server's (a draining worker answers new prompts UNAVAILABLE, and waits for those in flight)."""
+    destination (raises ServiceError); `drain`: the server's (a draining worker answers new prompts UNAVAILABLE, and waits for those in flight)."""
 
     def __init__(self, prefill: Callable[[pb.PrefillRequest], Awaitable[pb.PrefillResponse]],
-                 bind: Callable[[pb.BindRequest], None], answered: Callable[[str], None], drain: Drain):
-        self.prefill, self.bind, self.answered, self.drain = prefill, bind, answered, drain
+                 bind: Callable[[pb.BindRequest], None], drain: Drain):
+        self.prefill, self.bind, self.drain = prefill, bind, drain
         self.jobs: dict[str, asyncio.Task] = {}  # prompts in flight by request id
         self._out: asyncio.Queue = asyncio.Queue()  # PrefillAnswer, _END, or the exception the reading ended with
 
@@ -56,9 +55,6 @@ class PromptCall:
                         answers.append(item)
                 if answers:
                     yield pb.PrefillStreamResponse(answers=answers)
-                    for a in answers:  # (resumed once gRPC has written the message)
-                        if a.HasField("response"):
-                            self.answered(a.request_id)
         finally:
             reader.cancel()
             for job in list(self.jobs.values()):

@@ -30,7 +30,6 @@ from pdserve.serving.worker_common import (
     Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread,
 )
 
-from .answers_out import AnswersOut
 from .destinations import Destinations
 from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob
 from .prompt_calls import PromptCall
@@ -88,10 +87,9 @@ class PrefillWorker:
         sender_cls = TRANSPORTS.get(config.kv_transport).sender
         self.sender = sender_cls(self.layout, timeout_s=config.transfer_timeout_s,
                                  token=config.security.internal_token, device=self.core.pool.kv.device)
-        self.answers = AnswersOut()
         self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held,
                                     max_queued=config.max_queued_requests, layerwise=config.kv_layerwise,
-                                    on_first_tokens=self._answer_early, before_hand_over=self._let_answers_out)
+                                    on_first_tokens=self._deliver)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
@@ -120,17 +118,6 @@ class PrefillWorker:
         for r in results:
             self.metrics.ttft.observe(r.ttft_s)
         self.deliveries.resolve_many([(r.request_id, r) for r in results])
-
-    def _answer_early(self, results) -> None:
-        for r in results:
-            self.answers.expect(r.request_id)
-        self._deliver(results)
-
-    def _let_answers_out(self, told: list[str]) -> None:
-        """Engine thread, between the first tokens and the KV hand-over (see answers_out.py)."""
-        sched, told_ids = self.core.scheduler, set(told)
-        if not sched.waiting and all(r.request_id in told_ids for r in sched.running):
-            self.answers.wait()
 
     def _update_gauges(self) -> None:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
@@ -199,13 +186,10 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             resp = await self.prefill(request, "Prefill")
         except ServiceError as e:
             await abort_with(context, e)
-        # Runs once this task yields, i.e. once gRPC has the response: the engine thread may hand over its KV.
-        asyncio.get_running_loop().call_soon(self.w.answers.sent, request.request_id)
         return resp
 
     async def PrefillStream(self, request_iterator, context: grpc.aio.ServicerContext):
-        call = PromptCall(lambda request: self.prefill(request, "PrefillStream"), self.bind, self.w.answers.sent,
-                          self.drain)
+        call = PromptCall(lambda request: self.prefill(request, "PrefillStream"), self.bind, self.drain)
         async for msg in call.serve(request_iterator):
             yield msg
 
