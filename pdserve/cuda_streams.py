@@ -30,4 +30,15 @@ def device_index(device: torch.device | str) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-__all__ = ["current_stream", "device_index"]
+def make_current(device: torch.device | str) -> None:
+    """Make a CUDA `device` the calling thread's current one (nothing on other devices).
+
+    NOTE: the current device is per thread, and a new thread starts on device 0. torch's own ops follow their
+    tensors' device, but Triton, FlashInfer and DeepGEMM launch on the current device (and Triton looks its
+    pointers up there), so every thread that runs the model on `cuda:N` calls this first."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+__all__ = ["current_stream", "device_index", "make_current"]

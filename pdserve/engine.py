@@ -16,6 +16,7 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner
+from pdserve.cuda_streams import make_current
 from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import CacheConfig, LatentKVPool
 from pdserve.model_runner import ModelRunner
@@ -105,6 +106,7 @@ class LLMEngine:
         """spec_observer is told the accepted lengths and draft/verify times of every speculative round; hooks
         (settable later as `engine.hooks`) are what a tier runs inside each step."""
         self.config = config
+        make_current(config.device)  # the loading, graph capture and warm-up below launch on it
         self.model_config = model_config or ModelConfig.from_model_dir(config.model_dir)
         cfg = self.model_config
         dtype = resolve_dtype(config.dtype, cfg)

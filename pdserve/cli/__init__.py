@@ -1,7 +1,8 @@
 """`pdserve` command line. argparse lives only here; everything below takes typed configs.
 
-Errors a user can fix (bad flags, a broken model directory, bad token ids) print one line naming the problem and
-exit with status 2; nothing is half-written.
+Errors a user can fix (bad flags, a broken model directory, bad token ids, a port in use) print one line naming the
+problem and exit with status 2; nothing is half-written. An error raised inside a third-party library pdserve runs
+(Triton, torch, FlashInfer, gRPC) is an internal one: it prints its traceback and exits with status 1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional, Sequence
 from pdserve.cli import bench, engine_commands, serve
 from pdserve.cli import up as up_command
 from pdserve.cli.choices import ArgumentParser, LazyChoices
+from pdserve.cli.gpu_layout import gpu_list
 from pdserve.cli.engine_args import (  # noqa: F401  (the CLI's API: tests and tools build configs with them)
     UsageError, add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args,
     _token_ids,
@@ -63,11 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--host", default="127.0.0.1")
     ug.add_argument("--port", type=int, default=50051, help="router's client port (default 50051)")
     ug.add_argument("--prefill", type=int, default=1, metavar="N",
-                    help="prefill workers (default 1), each a process with its own model copy and KV pool; with "
-                         "--device cuda they share one GPU (with --kv-transport nccl, a GPU each). Where the prefill "
-                         "forward is host-bound (a small model), 2 take in about twice the prompts, for a longer TPOT "
-                         "while they come in (README, Serving)")
+                    help="prefill workers (default 1), each a process with its own model copy and KV pool; they "
+                         "run on --device, or on the GPUs of --gpus / --prefill-gpus. Where the prefill forward is "
+                         "host-bound (a small model), a second one on the same GPU takes in more prompts, for a "
+                         "longer TPOT while they come in")
     ug.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    ug.add_argument("--gpus", type=gpu_list, default=None, metavar="0,1",
+                    help="GPUs of this machine the stack uses: the prefill workers take the first half of the list "
+                         "(rounded up), the decode workers the rest (one GPU: both tiers share it); a tier's "
+                         "workers go round robin over its GPUs. Default: every worker on --device (with "
+                         "--kv-transport nccl, worker k on cuda:k)")
+    ug.add_argument("--prefill-gpus", type=gpu_list, default=None, metavar="0",
+                    help="the prefill workers' GPUs (the decode workers take the rest of --gpus, or --decode-gpus)")
+    ug.add_argument("--decode-gpus", type=gpu_list, default=None, metavar="1",
+                    help="the decode workers' GPUs (a GPU may be in both lists: its workers share it)")
     ug.add_argument("--redis-url", default=None, help="Redis for discovery and prefix ownership (optional)")
     ug.add_argument("--balance-threshold", type=int, default=4)
     ug.add_argument("--metrics-port", type=int, default=9100, metavar="PORT",
@@ -80,8 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--no-http", action="store_true", help="serve no OpenAI HTTP API (gRPC only)")
     ug.add_argument("--transfer-timeout", type=float, default=300.0)
     ug.add_argument("--kv-transport", default="auto", choices=LazyChoices(serve.kv_transport_names),
-                    help=serve.KV_TRANSPORT_HELP + "; with nccl, worker k runs on cuda:k. With --device cuda and "
-                    "auto, every worker shares the GPU and KV moves over cuda_ipc, never through the host")
+                    help=serve.KV_TRANSPORT_HELP)
     ug.add_argument("--no-kv-layerwise", action="store_true",
                     help="prefill workers send a prompt's KV after its whole forward instead of layer by layer (to "
                          "measure what layer-wise streaming saves in TTFT)")
@@ -145,6 +155,28 @@ def stop_on_ctrl_c() -> None:
     signal.signal(signal.SIGINT, _raise)
 
 
+_OWN_CODE = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), d, "")
+                  for d in ("pdserve", "prefill_service", "decode_service", "router", "kv_transfer", "kernels"))
+
+
+def _raised_by_pdserve(error: BaseException) -> bool:
+    """Whether `error` is about the user's input: raised by pdserve's own checks (a flag, the model directory, a
+    port, a peer) or by the standard library reading what the user gave (a file, JSON, a socket), as opposed to
+    an error inside a third-party library pdserve runs (Triton, torch, FlashInfer, gRPC): an internal error, whose
+    traceback is what a bug report needs."""
+    if isinstance(error, UsageError):
+        return True
+    tb = error.__traceback__
+    if tb is None:
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    if where.startswith(_OWN_CODE):
+        return True
+    return not any(part in ("site-packages", "dist-packages") for part in where.split(os.sep))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from pdserve.cli.env import EnvError, parse_args
 
@@ -157,8 +189,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stop_on_ctrl_c()
     try:
         return args.func(args)
-    except (UsageError, ValueError, FileExistsError, OSError, RuntimeError,
-            TimeoutError) as e:
+    except (UsageError, ValueError, OSError, RuntimeError) as e:  # (FileExistsError, TimeoutError: OSErrors)
+        if not _raised_by_pdserve(e):
+            raise  # an internal error: its traceback, exit 1
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # servers stop on Ctrl-C as asked; a one-off command was interrupted

@@ -13,13 +13,16 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pdserve.cli.engine_args import DEFAULT_MODEL_DIR
 from pdserve.cli.serve import _say, run_router
 
 # The random tiny model `up` makes when a checkout lacks the committed demo model (DEFAULT_MODEL_DIR).
 FALLBACK_MODEL_DIR = os.path.join("models", "tiny-deepseek-v3")
+
+if TYPE_CHECKING:
+    from pdserve.cli.gpu_layout import Placement
 
 
 def _free_port(avoid: frozenset[int] = frozenset()) -> int:
@@ -104,33 +107,34 @@ def worker_env(args: argparse.Namespace, environ) -> dict[str, str]:
     return env
 
 
-def _gpu_per_worker(args: argparse.Namespace) -> Optional[list[str]]:
-    """nccl pairs two GPUs (NCCL refuses two ranks on one device): `up` then puts worker k on cuda:k."""
-    if args.kv_transport != "nccl":
-        return None
-    import torch
+def placement(args: argparse.Namespace) -> "Placement":
+    """Each worker's device from --device, --kv-transport and the GPU-list flags (pdserve/cli/gpu_layout.py)."""
+    from pdserve.cli.gpu_layout import place_workers
 
-    need, have = args.prefill + args.decode, torch.cuda.device_count()
-    if have < need:
-        from pdserve.cli.engine_args import UsageError
+    explicit = any(getattr(args, f, None) is not None for f in ("gpus", "prefill_gpus", "decode_gpus"))
+    gpu_count = 0
+    if args.device.startswith("cuda") and (explicit or args.kv_transport == "nccl"):
+        import torch
 
-        raise UsageError(f"--kv-transport nccl puts each worker on its own GPU: {need} workers need {need} GPUs, "
-                         f"this machine has {have} (use tcp, or fewer workers)")
-    return [f"cuda:{k}" for k in range(need)]
+        gpu_count = torch.cuda.device_count()
+    return place_workers(args.device, args.prefill, args.decode, args.kv_transport, gpu_count,
+                         getattr(args, "gpus", None), getattr(args, "prefill_gpus", None),
+                         getattr(args, "decode_gpus", None))
 
 
-# --decode-gpu-share auto, when every worker shares one GPU: while prompts wait and the GPU is contended, a decode
-# step's GPU time is at most a third of the time between steps (V3 slice on an H200: output at c=32 / c=128 0.98 /
-# 0.95 of the engine alone, 0.84 / 0.77 unpaced; ITL 17.8 ms instead of ~10 at c=32; benchmarks/results/README.md).
+# --decode-gpu-share auto, when a decode worker shares its GPU with a prefill worker: while prompts wait and the GPU is
+# contended, a decode step's GPU time is at most a third of the time between steps (benchmarks/results, pacing).
 SHARED_GPU_DECODE_SHARE = 1 / 3
 
 
-def decode_gpu_share(args: argparse.Namespace) -> float:
-    """--decode-gpu-share resolved. auto: the workers share one GPU unless nccl put each on its own; on the CPU the
-    share is moot (only CUDA graph replays are timed, and a CPU engine has none), so it needs no device check."""
+def decode_gpu_share(args: argparse.Namespace, layout: Optional["Placement"] = None) -> float:
+    """--decode-gpu-share resolved. auto: a third where a decode worker shares its GPU with a prefill worker, else 1
+    (no limit). On the CPU the share is moot (only CUDA graph replays are timed, and a CPU engine has none)."""
     if args.decode_gpu_share != "auto":
         return args.decode_gpu_share
-    return 1.0 if args.kv_transport == "nccl" else SHARED_GPU_DECODE_SHARE
+    if layout is None:  # without a layout: workers share --device unless nccl gave each its own GPU
+        return 1.0 if args.kv_transport == "nccl" else SHARED_GPU_DECODE_SHARE
+    return SHARED_GPU_DECODE_SHARE if layout.shares_gpu or layout.decode[0] == "cpu" else 1.0
 
 
 def _die_with_parent(parent: int) -> None:
@@ -222,8 +226,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_up_ports(args)
     fixed_ports = frozenset(up_ports(args).values())
     up_start = time.monotonic()
-    gpus = _gpu_per_worker(args)
-    decode_share = decode_gpu_share(args)
+    layout = placement(args)
+    devices = list(layout.devices)
+    decode_share = decode_gpu_share(args, layout)
     procs: list[tuple[str, subprocess.Popen]] = []
     up_pid = os.getpid()
     worker_metrics: dict[str, Optional[int]] = {}
@@ -238,7 +243,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             for i in range(count):
                 port = _free_port(fixed_ports)
                 cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
-                       f"{role}-{i}", *common] + (["--device", gpus.pop(0)] if gpus else [])
+                       f"{role}-{i}", *common, "--device", devices.pop(0)]
                 if role == "prefill" and args.no_kv_layerwise:
                     cmd.append("--no-kv-layerwise")
                 if role == "decode" and args.min_step_interval_ms:
@@ -256,8 +261,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                 # Own session: a Ctrl-C in the terminal reaches `up` alone, which then stops the workers in order.
                 procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=lambda: _die_with_parent(up_pid),
                                                        start_new_session=True)))
-        _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model} ({args.device}); "
-             "each loads the model, then runs its warm-up, then reports ready ...")
+        _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model}; each loads the "
+             "model, then runs its warm-up, then reports ready ...")
+        for line in layout.describe(args.kv_transport):
+            _say(line)
         if decode_share < 1 and args.device != "cpu":
             _say(f"while prompts are being prefilled, decode steps keep to {decode_share:.2g} of the GPU's time "
                  "(--decode-gpu-share; 1 = back to back)")

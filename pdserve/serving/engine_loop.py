@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
+import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -33,6 +35,10 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Optional[tuple[Callable[[], Any], Future]]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # NOTE: the loop's thread runs on the CUDA device current where the loop is built (the engine's, made
+        # current when it was built): a new thread would start on device 0, where Triton cannot reach cuda:N's
+        # tensors.
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -70,6 +76,8 @@ class EngineLoop:
                 return
 
     def _run(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
         while not self._stopped.is_set():
             try:
                 idle = not self._has_work()
