@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdserve.kv_transfer import TRANSPORTS, KVLayout, token_slots  # noqa: E402
-from pdserve.kv_transfer.cuda_ipc_sender import plan_pages, scatter_pages  # noqa: E402
+from pdserve.kv_transfer.pages import plan_pages, scatter_pages  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

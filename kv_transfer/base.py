@@ -128,6 +128,15 @@ def gather_rows(source: torch.Tensor, slots: torch.Tensor | None, device: torch.
     return rows.to(device)  # no copy when the pool is already there
 
 
+def gather_layers(source: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """A new contiguous `(num_layers, num_tokens, kv_dim)` tensor on the source's device: `source[:, slots]` for a
+    run of the pool's layers `(num_layers, num_slots, kv_dim)` (or a copy of the rows themselves without slots),
+    one gather for every layer, queued on the current stream."""
+    if slots is None:
+        return source.detach().to(source.device, copy=True, memory_format=torch.contiguous_format)
+    return source.detach().index_select(1, slots.to(source.device))
+
+
 @dataclass(frozen=True)
 class TransferStats:
     bytes_sent: int  # payload + framing bytes of this room

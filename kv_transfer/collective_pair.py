@@ -60,8 +60,11 @@ class CollectiveBackend(ABC):
         """A two-rank process group, connected: blocks until the peer joins."""
 
     @abstractmethod
-    def post(self, group: Any, tensors: Sequence[torch.Tensor], send: bool, peer: int) -> Any:
-        """Post one op per tensor, in order, counted as one batch; returns the completion token for `wait`."""
+    def post(self, group: Any, tensors: Sequence[torch.Tensor], send: bool, peer: int,
+             then: Optional[Callable[[], None]] = None) -> Any:
+        """Post one op per tensor, in order, counted as one batch; returns the completion token for `wait`.
+        `then`: device work that reads what the batch received, run once it landed and before the batch counts as
+        resolved (NCCL: queued on the pair's stream behind the ops; Gloo: run by `wait` after the ops)."""
 
     @abstractmethod
     def wait(self, token: Any, op_timeout_s: float, closed: Callable[[], bool]) -> Optional[str]:
@@ -100,14 +103,17 @@ class GlooBackend(CollectiveBackend):
         opts._timeout = _delta(connect_timeout_s)
         return ProcessGroupGloo(store, rank, 2, opts)
 
-    def post(self, group, tensors, send, peer):
+    def post(self, group, tensors, send, peer, then=None):
         op = group.send if send else group.recv
-        return [op([t], peer, DATA_TAG) for t in tensors]  # Gloo does not coalesce p2p: one Work per run
+        return [op([t], peer, DATA_TAG) for t in tensors], then  # Gloo does not coalesce p2p: one Work per tensor
 
     def wait(self, token, op_timeout_s, closed):
+        works, then = token
         try:
-            for work in token:
+            for work in works:
                 work.wait(_delta(op_timeout_s))
+            if then is not None:
+                then()
         except RuntimeError as e:
             return str(e).splitlines()[0][-300:]
         return None
@@ -136,7 +142,7 @@ class NcclBackend(CollectiveBackend):
         group.eager_connect_single_device(device)
         return group
 
-    def post(self, group, tensors, send, peer):
+    def post(self, group, tensors, send, peer, then=None):
         op = group.send if send else group.recv
         group._start_coalescing()  # one ncclGroupStart/End: the runs of a layer launch as one op
         works = [op([t], peer, DATA_TAG) for t in tensors]
@@ -145,6 +151,8 @@ class NcclBackend(CollectiveBackend):
         for work in works:
             if work is not None:  # ops inside a coalescing group may return no Work of their own
                 work.wait()  # the current stream (the pair's) waits for NCCL's; the host does not
+        if then is not None:
+            then()  # queued on the pair's stream, behind the ops
         done.record()
         return done
 
@@ -254,14 +262,15 @@ class ProcessGroupPair:
         return self.backend.ready_event(self.device)
 
     def post(self, tensors: Sequence[torch.Tensor], send: bool, after: Any = None,
-             on_complete: Optional[OnComplete] = None) -> None:
-        """Post one op per tensor (to or from the peer), ordered after `after` (a `ready_event`); `on_complete`
-        runs on the reaper thread once they all resolved. Raises RuntimeError once the pair is closed."""
+             on_complete: Optional[OnComplete] = None, then: Optional[Callable[[], None]] = None) -> None:
+        """Post one op per tensor (to or from the peer), ordered after `after` (a `ready_event`); `then` (see
+        `CollectiveBackend.post`) runs after them on the pair's stream; `on_complete` runs on the reaper thread once
+        all that resolved. Raises RuntimeError once the pair is closed."""
         with self._lock:  # NOTE: ops are queued under the lock, so none can slip in behind close()'s sentinel
             if self.closed:
                 raise RuntimeError(f"the KV process group {self.name} was torn down")
             with self.backend.on_stream(self.device, self._stream, after):
-                token = self.backend.post(self._group, tensors, send, self.peer)
+                token = self.backend.post(self._group, tensors, send, self.peer, then)
             self._ops.put(_Op(token, tensors, on_complete))
 
     def close(self, reason: str) -> None:

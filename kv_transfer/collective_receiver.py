@@ -2,11 +2,12 @@
 deadlines, notifier) plus, per sender connection, a process group whose receives land straight in the decode pool.
 
 The receiver hosts a `TCPStore`; HELLO_OK names it and a fresh group id, and both sides join that group (the
-connection thread here, `_open` on the sender). Each LAYER announcement lists the rows per op; the connection
-thread, which reads announcements in order, posts one receive per run into `kv_buffer[layer]` slices (the runs of
-the room's reserved pages) under the receiver lock. A room the receiver no longer wants (cancelled, timed out,
-aborted, unknown) still gets its announced ops received, into scratch: the op streams of both sides never diverge,
-so one room's failure costs the pair nothing.
+connection thread here, `_open` on the sender). Each LAYER announcement names a layer or a run of layers and the
+token count: one op carries their rows as one contiguous block. The connection thread, which reads announcements in
+order, posts one receive into a staging block on the pool's device under the receiver lock, and behind it, on the
+pair's stream, the scatter of the block into the room's reserved pages (`pages.py`). A room the receiver no longer
+wants (cancelled, timed out, aborted, unknown) still gets its announced ops received, into scratch: the op streams
+of both sides never diverge, so one room's failure costs the pair nothing.
 
 A room that fails while receives are landing in its pages is *draining*: it is gone for the sender at once (it is
 told), but its pages are not released (on_failed, or False from cancel()) until those receives resolved. A room
@@ -27,8 +28,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .base import KVLayout, KVTransferError, TransferState, page_runs
+from .base import KVLayout, KVTransferError, TransferState
 from .collective_pair import BACKENDS, DECODE_RANK, ProcessGroupPair
+from .pages import PagePlan, plan_pages, scatter_pages
 from .tcp_receiver import TcpKVReceiver, _is_int, _PeerConn, _Room
 from .wire import LAYER, ProtocolError
 
@@ -44,18 +46,15 @@ class _PairedPeer(_PeerConn):
 
 class _PoolRoom(_Room):
     def __init__(self, room: int, num_tokens: int, dst_slots: torch.Tensor, num_layers: int, deadline: float,
-                 dst_runs: list[tuple[int, int]], ready: Any):
+                 dst_pages: list[int], ready: Any):
         super().__init__(room, num_tokens, dst_slots, num_layers, deadline)
-        self.dst_runs = dst_runs  # (first slot, rows) per contiguous run of the reserved pages, token order
+        self.dst_pages = dst_pages
+        self.plan: Optional[PagePlan] = None  # made on the pair's stream at the first scatter, used only there
         self.ready = ready  # event after the compute queued before expect(): the pages' last readers
         self.posted: set[int] = set()  # layers whose receives were posted
-        self.inflight = 0  # layers posted and not yet resolved
+        self.inflight = 0  # ops posted and not yet resolved
         self.owed: Optional[tuple[str, str]] = None  # (kind, message) of the on_failed delivered once drained
         self.drain_deadline = 0.0
-
-    @property
-    def run_lengths(self) -> list[int]:
-        return [n for _, n in self.dst_runs]
 
 
 class CollectiveKVReceiver(TcpKVReceiver):
@@ -102,8 +101,7 @@ class CollectiveKVReceiver(TcpKVReceiver):
             raise ValueError(f"room {room} is still draining its previous transfer")
         if int(slots.max()) >= self._kv.shape[1]:
             raise ValueError(f"dst_pages reach slot {int(slots.max())}; kv_buffer has {self._kv.shape[1]} slots")
-        runs = page_runs(range(len(dst_pages)), dst_pages, num_tokens, self.layout.page_size)
-        return _PoolRoom(room, num_tokens, slots, num_layers, deadline, [(dst, n) for _, dst, n in runs],
+        return _PoolRoom(room, num_tokens, slots, num_layers, deadline, list(dst_pages),
                          self.backend.ready_event(self._kv.device))
 
     def _hello_ok(self, conn: _PairedPeer) -> dict[str, Any]:
@@ -149,13 +147,16 @@ class CollectiveKVReceiver(TcpKVReceiver):
     def _on_data(self, conn: _PairedPeer, kind: str, header: dict[str, Any], payload: torch.Tensor) -> None:
         if kind != LAYER:
             return super()._on_data(conn, kind, header, payload)
-        room, runs = header.get("room"), header.get("runs")
-        if not (_is_int(room) and isinstance(runs, list) and runs and all(_is_int(n) and n > 0 for n in runs)
-                and sum(runs) <= self._max_room_tokens and payload.numel() == 0):
-            # Without a trustworthy run list there is no knowing which ops the sender posted.
-            raise ProtocolError(f"LAYER announcement without a valid room and run list: {str(header)[:200]}")
+        room, n = header.get("room"), header.get("num_tokens")
+        layers = header.get("layers", [header.get("layer")])
+        if not (_is_int(room) and _is_int(n) and 0 < n <= self._max_room_tokens and isinstance(layers, list)
+                and layers and all(_is_int(x) for x in layers) and payload.numel() == 0):
+            # Without a trustworthy block size there is no knowing what the sender's op carries.
+            raise ProtocolError(f"LAYER announcement without a valid room, layers and token count: "
+                                f"{str(header)[:200]}")
+        block = torch.empty(len(layers), n, self.layout.kv_dim, dtype=self._kv.dtype, device=self._kv.device)
         with self._lock:
-            r, layer = self._rooms.get(room), None
+            r, ok = self._rooms.get(room), False
             if r is None:
                 self._refuse_unknown_locked(conn, kind, room)
             else:
@@ -163,45 +164,48 @@ class CollectiveKVReceiver(TcpKVReceiver):
                     raise ProtocolError(f"LAYER for room {room}, which another connection is sending")
                 r.conn = conn
                 try:
-                    layer = self._check_announcement(r, header, runs)
+                    self._check_announcement(r, layers, n)
+                    ok = True
                 except ValueError as e:
                     self._drop_locked(r, "protocol", f"room {room}: bad LAYER announcement: {e}")
                     raise ProtocolError(f"bad LAYER announcement for room {room}: {e}") from None
-            if layer is None:  # received and dropped, so the next announcement's ops line up
-                buffers = [torch.empty(n, self.layout.kv_dim, dtype=self._kv.dtype, device=self._kv.device)
-                           for n in runs]
-                self._post(conn, buffers)
+            if not ok:  # received and dropped, so the next announcement's op lines up
+                self._post(conn, [block])
                 return
-            self._post(conn, [self._kv[layer, first:first + n] for first, n in r.dst_runs], r.ready,
-                       partial(self._landed, r, layer))
+            self._post(conn, [block], r.ready, partial(self._landed, r, layers),
+                       then=partial(self._scatter, r, layers, block))
             r.status.advance(TransferState.TRANSFERRING)
-            r.posted.add(layer)
+            r.posted.update(layers)
             r.inflight += 1
 
+    def _scatter(self, r: _PoolRoom, layers: list[int], block: torch.Tensor) -> None:
+        """On the pair's stream, behind the block's receive: the block into the room's pages of its layers."""
+        if r.plan is None:
+            r.plan = plan_pages(r.dst_pages, r.num_tokens, self.layout.page_size, self._kv.device)
+        scatter_pages(self._kv[layers[0]:layers[-1] + 1], block, r.plan)
+
     @staticmethod
-    def _post(conn: _PairedPeer, buffers: list[torch.Tensor], after: Any = None, on_complete=None) -> None:
+    def _post(conn: _PairedPeer, buffers: list[torch.Tensor], after: Any = None, on_complete=None,
+              then=None) -> None:
         try:
-            conn.pair.post(buffers, send=False, after=after, on_complete=on_complete)
+            conn.pair.post(buffers, send=False, after=after, on_complete=on_complete, then=then)
         except RuntimeError as e:
             raise ConnectionError(f"posting receives failed: {e}") from None  # ends the connection: peer_failed
 
     @staticmethod
-    def _check_announcement(r: _PoolRoom, header: dict[str, Any], runs: list[int]) -> int:
-        layer, n = header.get("layer"), header.get("num_tokens")
-        if not (_is_int(layer) and 0 <= layer < r.num_layers):
-            raise ValueError(f"layer {layer!r} is outside the room's {r.num_layers} layers")
-        if layer in r.posted:
-            raise ValueError(f"layer {layer} arrived twice")
+    def _check_announcement(r: _PoolRoom, layers: list[int], n: int) -> None:
+        if layers != list(range(layers[0], layers[0] + len(layers))):
+            raise ValueError(f"layers {layers[:8]} are not a run of consecutive layers")
+        if not (0 <= layers[0] and layers[-1] < r.num_layers):
+            raise ValueError(f"layers {layers[0]}-{layers[-1]} are outside the room's {r.num_layers} layers")
+        if r.posted.intersection(layers):
+            raise ValueError(f"layer {min(r.posted.intersection(layers))} arrived twice")
         if n != r.num_tokens:
             raise ValueError(f"prefill sent {n!r} tokens, decode expected {r.num_tokens}")
-        if runs != r.run_lengths:
-            raise ValueError(f"prefill split the rows into runs {runs[:8]}, the reserved pages take "
-                             f"{r.run_lengths[:8]}")
-        return layer
 
     # ---- the pair's reaper thread ----
 
-    def _landed(self, r: _PoolRoom, layer: int, error: Optional[str]) -> None:
+    def _landed(self, r: _PoolRoom, layers: list[int], error: Optional[str]) -> None:
         with self._lock:
             r.inflight -= 1
             if self._draining.get(r.room) is r:
@@ -212,13 +216,14 @@ class CollectiveKVReceiver(TcpKVReceiver):
             if self._rooms.get(r.room) is not r:
                 return
             if error is not None:
-                self._drop_locked(r, "peer_failed", f"room {r.room}: receiving layer {layer} failed ({error}) after "
-                                                    f"{r.progress()}")
+                self._drop_locked(r, "peer_failed", f"room {r.room}: receiving layers {layers[0]}-{layers[-1]} failed "
+                                                    f"({error}) after {r.progress()}")
                 return
-            r.layers.add(layer)
-            if not self._call(self._on_layer, r.room, layer, r.dst_slots, None):
-                self._drop_locked(r, "aborted", f"room {r.room}: the decode worker's on_layer callback raised")
-                return
+            for layer in layers:
+                r.layers.add(layer)
+                if not self._call(self._on_layer, r.room, layer, r.dst_slots, None):
+                    self._drop_locked(r, "aborted", f"room {r.room}: the decode worker's on_layer callback raised")
+                    return
             self._complete_if_ready_locked(r)
 
     def _teardown(self, conn: Optional[_PairedPeer], reason: str) -> None:

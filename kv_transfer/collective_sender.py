@@ -1,10 +1,11 @@
 """Prefill side of the collective KV transports: the TCP sender's control connection (HELLO, AUX, ABORT,
 ROOM_DONE/ROOM_FAILED, deadlines) plus one process group per decode endpoint that carries the rows.
 
-Per layer, `send_rows` gathers the rows on the caller's stream and records an event after the copy (NCCL); the
-connection's writer thread then writes the LAYER announcement, which lists how many rows each op carries, and
-right after it posts those sends on the pair's stream behind that event. One thread does both, in queue order,
-so the op streams of interleaved rooms match the announcements the decode worker reads, in the same order.
+Per layer, or per run of layers, the rows are gathered into one contiguous block on the caller's stream and an event
+is recorded after the gather (NCCL); the connection's writer thread then writes the LAYER announcement (the layers and
+the token count, so the block's size) and right after it posts the block's one send on the pair's stream behind that
+event. One thread does both, in queue order, so the op streams of interleaved rooms match the announcements the
+decode worker reads, in the same order.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .base import KVLayout, KVTransferError, gather_rows, page_runs
+from .base import KVLayout, KVTransferError, TransferState, gather_layers, gather_rows
 from .collective_pair import BACKENDS, PREFILL_RANK, ProcessGroupPair
 from .tcp_sender import TcpKVSender, TcpSendHandle, _Connection
 from .wire import LAYER, ProtocolError, parse_endpoint
@@ -35,7 +36,9 @@ class _PairedConnection(_Connection):
 
 
 class CollectiveSendHandle(TcpSendHandle):
-    """See `SendHandle`. The rows go over the pair's process group, split by the destination page runs."""
+    """See `SendHandle`. Each `send_rows` (one layer) or `send_layers` (a run of layers: layer by layer as the
+    forward writes them, or the whole room at once) is one gather into a contiguous block and one send of it; the
+    decode worker receives the block whole and scatters it into the reserved pages (`pages.py`)."""
 
     def __init__(self, conn: _PairedConnection, room: int, num_layers: int, layout: KVLayout, timeout_s: float,
                  dst_pages: Sequence[int]):
@@ -53,17 +56,25 @@ class CollectiveSendHandle(TcpSendHandle):
                              f"begin() was given {len(self._dst_pages)}")
         return n
 
+    def send_layers(self, first_layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        layers = self._check_layers(first_layer, source, slots)
+        if self.status.state != TransferState.FAILED:
+            self._queue_rows(layers, gather_layers(source, slots))
+
     def _queue_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> None:
+        self._queue_rows([layer], gather_rows(source, slots, source.device))
+
+    def _queue_rows(self, layers: list[int], rows: torch.Tensor) -> None:
+        """Announce `layers` and send `rows` ((num_tokens, kv_dim) for one layer, (len(layers), num_tokens, kv_dim)
+        for a run), a block this handle owns, as one op."""
         # NOTE: gathered on the caller's stream, so the caller may overwrite or free its source right away; the
-        # event after the gather is what the sends wait for, so the forward's next layers are not held up.
-        rows = gather_rows(source, slots, source.device)  # (num_tokens, kv_dim)
-        n = rows.shape[0]
+        # event after the gather is what the send waits for, so the forward's next layers are not held up.
         ready = self._conn.pair.ready_event()
-        runs = page_runs(range(-(-n // self.layout.page_size)), self._dst_pages, n, self.layout.page_size)
-        chunks = [rows[src:src + count] for src, _, count in runs]  # contiguous views, token order
+        n = rows.shape[-2]
         self._bytes += rows.numel() * rows.element_size()
-        self._conn.put(self, LAYER, {"layer": layer, "num_tokens": n, "runs": [count for _, _, count in runs]},
-                       post=lambda: self._conn.pair.post(chunks, send=True, after=ready))
+        header = {"layer": layers[0]} if len(layers) == 1 else {"layers": layers}
+        self._conn.put(self, LAYER, {**header, "num_tokens": n},
+                       post=lambda: self._conn.pair.post([rows], send=True, after=ready))
 
 
 class CollectiveKVSender(TcpKVSender):

@@ -20,97 +20,18 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from .base import KVLayout, KVTransferError, TransferState, gather_rows, page_runs
+from .base import KVLayout, KVTransferError, TransferState, gather_layers, gather_rows
 from .cuda_ipc_pairing import AUTO, IPC, TCP, IpcBackend, check_export, pool_slots
 from .cuda_ipc_receiver import BEGIN, GRANT
+from .pages import PagePlan, plan_pages, scatter_pages
 from .tcp_sender import TcpKVSender, TcpSendHandle, _Connection
 from .wire import ABORT, AUX, LAYER, ProtocolError
 
 logger = logging.getLogger(__name__)
-
-# 16-, 8- and 4-byte elements: index_copy_'s CUDA kernel moves one element per thread step (the kernel is picked by
-# element size only), so the same bytes as wider elements take fewer steps.
-_WORDS = (torch.complex128, torch.int64, torch.int32)
-
-
-@dataclass(frozen=True)
-class PagePlan:
-    """Where a room's rows go in the pool, worked out once per room (every layer goes to the same slots).
-
-    Position p of the room lands in slot `pages[p // page_size] * page_size + p % page_size` of the pool's layer
-    (`token_slots`): the pool has no offset, page k is slots `[k * page_size, (k + 1) * page_size)`; the decode
-    pool's spare page after its allocator's (`LatentKVPool.scratch_page`) is one more such page."""
-
-    page_size: int
-    num_tokens: int
-    runs: tuple[tuple[int, int, int], ...]  # `page_runs`: (first row, first slot, rows), contiguous on both sides
-    full_pages: Optional[torch.Tensor]  # (num_tokens // page_size,) long on the pool's device; None: copy by runs
-    tail: Optional[tuple[int, int, int]]  # (first row, first slot, rows) of a partial last page, with full_pages
-
-
-def plan_pages(pages: Sequence[int], num_tokens: int, page_size: int,
-               device: torch.device | str | None = None) -> PagePlan:
-    """The plan for `num_tokens` rows into `pages` (checked against the pool by the caller). `device`: the pool's,
-    where the page indices are put when the pages are more than one run; None where the rows are copied by runs
-    anyway (across GPUs: a peer copy per run)."""
-    runs = tuple(page_runs(range(-(-num_tokens // page_size)), pages, num_tokens, page_size))
-    if device is None or len(runs) <= 1:
-        return PagePlan(page_size, num_tokens, runs, None, None)
-    full, rest = divmod(num_tokens, page_size)
-    # Non-blocking from pageable memory: the source is staged before the call returns, so it may go right after.
-    index = torch.tensor(list(pages[:full]), dtype=torch.long).to(device, non_blocking=True)  # (full,)
-    tail = (full * page_size, pages[full] * page_size, rest) if rest else None
-    return PagePlan(page_size, num_tokens, runs, index, tail)
-
-
-def scatter_pages(layer_kv: torch.Tensor, rows: torch.Tensor, plan: PagePlan) -> None:
-    """Write `rows: (..., num_tokens, kv_dim)` into `layer_kv: (..., slots, kv_dim)` (one layer of the pool, or a
-    run of its layers with rows for each) where `plan` says; the result equals `layer_kv.index_copy_(-2,
-    token_slots(pages, num_tokens, page_size), rows)` per layer. Queued on the current stream; each layer of both
-    tensors contiguous."""
-    if (rows.shape[-2] != plan.num_tokens or rows.dtype != layer_kv.dtype or rows.dim() != layer_kv.dim()
-            or rows.shape[:-2] != layer_kv.shape[:-2] or rows.shape[-1] != layer_kv.shape[-1]):
-        raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype} for a plan of {plan.num_tokens} tokens into a "
-                         f"pool layer {tuple(layer_kv.shape)} {layer_kv.dtype}")
-    if plan.full_pages is None or rows.device != layer_kv.device:
-        # One run is one copy; across GPUs each run is a peer copy (one per run, no scatter kernel there).
-        for src, dst, count in plan.runs:
-            layer_kv[..., dst:dst + count, :].copy_(rows[..., src:src + count, :], non_blocking=True)
-        return
-    ps, kv_dim, lead = plan.page_size, layer_kv.shape[-1], layer_kv.shape[:-2]
-    full = plan.full_pages.numel()
-    if full:
-        # NOTE: one kernel moving whole pages (ps * kv_dim values each) instead of one row index per token:
-        # per-token rows of a few hundred bytes ran the scatter at under a third of the copy bandwidth.
-        whole = layer_kv.shape[-2] // ps * ps
-        pool_pages = layer_kv[..., :whole, :].view(*lead, -1, ps * kv_dim)  # (..., num_pages, ps * kv_dim)
-        src = rows[..., :full * ps, :].view(*lead, full, ps * kv_dim)  # (..., full, ps * kv_dim)
-        word = _widest_word(pool_pages, src)
-        if word is not None:
-            pool_pages, src = pool_pages.view(word), src.view(word)
-        pool_pages.index_copy_(-2, plan.full_pages, src)
-    if plan.tail is not None:
-        first_row, first_slot, count = plan.tail
-        layer_kv[..., first_slot:first_slot + count, :].copy_(rows[..., first_row:first_row + count, :])
-
-
-def _widest_word(*tensors: torch.Tensor) -> Optional[torch.dtype]:
-    """The widest of `_WORDS` that every tensor's rows can be viewed as (size, alignment, and the strides of the
-    leading dims), None for none."""
-    for word in _WORDS:
-        size = word.itemsize
-        if size > tensors[0].element_size() and all(
-                t.stride(-1) == 1 and t.shape[-1] * t.element_size() % size == 0
-                and all(stride * t.element_size() % size == 0 for stride in t.stride()[:-1])
-                and t.storage_offset() * t.element_size() % size == 0 and t.data_ptr() % size == 0 for t in tensors):
-            return word
-    return None
-
 
 class _IpcConnection(_Connection):
     """A control connection and the decode pool it mapped; the mapping goes when both threads ended."""
@@ -120,8 +41,12 @@ class _IpcConnection(_Connection):
     def __init__(self, endpoint: str, sock: socket.socket, remote: torch.Tensor, device: torch.device,
                  checksum: bool):
         self.remote = remote  # the decode pool (layers, slots, kv_dim), mapped
-        # NOTE: on the rows' GPU: across GPUs torch runs a peer copy on the source device's stream.
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and remote.device.type == "cuda" else None
+        # NOTE: on the rows' GPU: across GPUs torch runs the peer copy on the source device's current stream; the
+        # scatter runs on the pool's GPU, on a stream of its own there (the same stream on one GPU).
+        on_gpus = device.type == "cuda" and remote.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if on_gpus else None
+        self.pool_stream = (torch.cuda.Stream(remote.device) if on_gpus and remote.device != device
+                            else self.stream)
         super().__init__(endpoint, sock, checksum)
 
     def _on_reply(self, header: dict[str, Any], handle: Optional[IpcSendHandle]) -> bool:
@@ -140,6 +65,7 @@ class _IpcConnection(_Connection):
         try:
             if self.stream is not None:
                 self.stream.synchronize()
+                self.pool_stream.synchronize()
         except RuntimeError as e:
             logger.warning("KV connection to %s: waiting for its last copies failed: %s", self.endpoint, e)
         while not self.queue.empty():  # closures of frames never written hold rows and handles
@@ -174,24 +100,14 @@ class IpcSendHandle(TcpSendHandle):
 
     # All of a prompt's layers in one gather, one copy and one announcement (`send_layers`): the rows move on the
     # GPU in microseconds, so streaming them layer by layer would only cost the prefill engine's thread a gather, an
-    # event and a frame per layer and prompt (19% of that thread at 32 concurrent prompts on an H200).
+    # event and a frame per layer and prompt (a visible share of that thread under load).
     streams_layers = False
 
     def send_layers(self, first_layer: int, source: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
-        layers = list(range(first_layer, first_layer + source.shape[0]))
-        if source.dim() != 3 or not layers:
-            raise ValueError(f"room {self.room}: send_layers takes (num_layers > 0, slots or tokens, kv_dim), got "
-                             f"{tuple(source.shape)}")
-        counts = {self._check_layer(layer, source[layer - first_layer], slots) for layer in layers}
-        self._num_tokens = counts.pop()  # (one count: the slots are shared) every argument checked before any change
-        self._layers.update(layers)
+        layers = self._check_layers(first_layer, source, slots)
         if self.status.state == TransferState.FAILED:
             return
-        if slots is None:
-            rows = source.detach().to(source.device, copy=True, memory_format=torch.contiguous_format)
-        else:  # (num_layers, num_tokens, kv_dim): one gather for every layer
-            rows = source.detach().index_select(1, slots.to(source.device))
-        self._queue_rows(layers, rows)
+        self._queue_rows(layers, gather_layers(source, slots))
 
     def _queue_layer(self, layer: int, source: torch.Tensor, slots: Optional[torch.Tensor]) -> None:
         self._queue_rows([layer], gather_rows(source, slots, source.device))  # (num_tokens, kv_dim)
@@ -265,12 +181,14 @@ class IpcSendHandle(TcpSendHandle):
             if stream is None:  # a CPU pool (the CPU tests' fake mapping): the same arithmetic, synchronous
                 scatter_pages(target, rows, self._plan_for(remote, rows))
                 return self._counted(rows)
-            with torch.cuda.device(rows.device), torch.cuda.stream(stream):
-                plan = self._plan_for(remote, rows)  # its index is made on (and only used on) this stream
+            pool_stream = self._conn.pool_stream
+            # (the pool's device's current stream, then the rows' device's: across GPUs both are set at once)
+            with torch.cuda.stream(pool_stream), torch.cuda.stream(stream):
+                plan = self._plan_for(remote, rows)  # its index is made on (and only used on) the pool's stream
                 stream.wait_event(ready)
                 scatter_pages(target, rows, plan)
                 done = torch.cuda.Event()
-                done.record(stream)
+                done.record(pool_stream)
             rows.record_stream(stream)  # the allocator must not hand its memory out before the copy read it
             self._last_copy = done
         except RuntimeError as e:  # the mapping or the device failed: this pairing cannot be trusted
@@ -283,9 +201,7 @@ class IpcSendHandle(TcpSendHandle):
         # Once per room, at its first layer (every layer has the granted count, checked above): page_runs is a
         # Python loop over the pages, too slow to repeat for every layer on the writer thread.
         if self._plan is None:
-            same_device = rows.device == remote.device
-            self._plan = plan_pages(self._dst_pages, rows.shape[-2], self.layout.page_size,
-                                    remote.device if same_device else None)
+            self._plan = plan_pages(self._dst_pages, rows.shape[-2], self.layout.page_size, remote.device)
         return self._plan
 
     def _counted(self, rows: torch.Tensor) -> bool:

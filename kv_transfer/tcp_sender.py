@@ -210,6 +210,17 @@ class TcpSendHandle(SendHandle):
                              f"{self._num_tokens}")
         return num_tokens
 
+    def _check_layers(self, first_layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> list[int]:
+        """`send_layers`' arguments checked (every layer, before any change), then the layers taken; returns them."""
+        layers = list(range(first_layer, first_layer + source.shape[0]))
+        if source.dim() != 3 or not layers:
+            raise ValueError(f"room {self.room}: send_layers takes (num_layers > 0, slots or tokens, kv_dim), got "
+                             f"{tuple(source.shape)}")
+        counts = {self._check_layer(layer, source[layer - first_layer], slots) for layer in layers}
+        self._num_tokens = counts.pop()  # (one count: the slots are shared)
+        self._layers.update(layers)
+        return layers
+
     def _queue_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> None:
         header = {"layer": layer, "num_tokens": self._num_tokens}
         if source.device.type != "cuda":

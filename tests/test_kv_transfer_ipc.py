@@ -20,7 +20,7 @@ from pdserve.kv_transfer import (
 from pdserve.kv_transfer.cuda_ipc_pairing import (
     Facts, IpcBackend, check_export, choose_transport, expandable_segments_on, pool_slots,
 )
-from pdserve.kv_transfer.cuda_ipc_sender import _widest_word, plan_pages, scatter_pages
+from pdserve.kv_transfer.pages import _widest_word, plan_pages, scatter_pages
 
 from test_kv_transfer_collective import AUX, NUM_PAGES, Decode
 from test_kv_transfer_tcp import KV_DIM, LAYERS, PAGE, TOKENS, Recorder, make_layout

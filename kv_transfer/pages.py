@@ -1,0 +1,102 @@
+"""Where a room's rows go in a pool of pages, and the copy that puts them there.
+
+A room's rows travel as one contiguous block `(layers, tokens, kv_dim)`, in token order, whatever the destination
+pages: the sender gathers them from its pool in one gather, they cross the link in one operation, and one scatter
+(`scatter_pages`) puts them into the reserved pages on the receiving pool's device. The transfer costs a fixed time
+per operation on every link (a peer copy, an NCCL op, a NIXL descriptor), so one per page run or per layer would
+cost far more than the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .base import page_runs
+
+# 16-, 8- and 4-byte elements: index_copy_'s CUDA kernel moves one element per thread step (the kernel is picked by
+# element size only), so the same bytes as wider elements take fewer steps.
+_WORDS = (torch.complex128, torch.int64, torch.int32)
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """Where a room's rows go in the pool, worked out once per room (every layer goes to the same slots).
+
+    Position p of the room lands in slot `pages[p // page_size] * page_size + p % page_size` of the pool's layer
+    (`token_slots`): the pool has no offset, page k is slots `[k * page_size, (k + 1) * page_size)`; the decode
+    pool's spare page after its allocator's (`LatentKVPool.scratch_page`) is one more such page."""
+
+    page_size: int
+    num_tokens: int
+    runs: tuple[tuple[int, int, int], ...]  # `page_runs`: (first row, first slot, rows), contiguous on both sides
+    full_pages: Optional[torch.Tensor]  # (num_tokens // page_size,) long on the pool's device; None: copy by runs
+    tail: Optional[tuple[int, int, int]]  # (first row, first slot, rows) of a partial last page, with full_pages
+
+
+def plan_pages(pages: Sequence[int], num_tokens: int, page_size: int,
+               device: torch.device | str | None = None) -> PagePlan:
+    """The plan for `num_tokens` rows into `pages` (checked against the pool by the caller). `device`: the pool's,
+    where the page indices are put when the pages are more than one run; None: copy by runs."""
+    runs = tuple(page_runs(range(-(-num_tokens // page_size)), pages, num_tokens, page_size))
+    if device is None or len(runs) <= 1:
+        return PagePlan(page_size, num_tokens, runs, None, None)
+    full, rest = divmod(num_tokens, page_size)
+    # Non-blocking from pageable memory: the source is staged before the call returns, so it may go right after.
+    index = torch.tensor(list(pages[:full]), dtype=torch.long).to(device, non_blocking=True)  # (full,)
+    tail = (full * page_size, pages[full] * page_size, rest) if rest else None
+    return PagePlan(page_size, num_tokens, runs, index, tail)
+
+
+def scatter_pages(layer_kv: torch.Tensor, rows: torch.Tensor, plan: PagePlan) -> None:
+    """Write `rows: (..., num_tokens, kv_dim)` into `layer_kv: (..., slots, kv_dim)` (one layer of the pool, or a
+    run of its layers with rows for each) where `plan` says; the result equals `layer_kv.index_copy_(-2,
+    token_slots(pages, num_tokens, page_size), rows)` per layer. Queued on the current stream; each layer of both
+    tensors contiguous. Rows on another GPU than the pool first move to the pool's GPU in one peer copy (queued on
+    the rows' device's current stream, ordered with the pool's device's current stream), and are scattered there:
+    one large operation crosses the link, however scattered the pages."""
+    if (rows.shape[-2] != plan.num_tokens or rows.dtype != layer_kv.dtype or rows.dim() != layer_kv.dim()
+            or rows.shape[:-2] != layer_kv.shape[:-2] or rows.shape[-1] != layer_kv.shape[-1]):
+        raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype} for a plan of {plan.num_tokens} tokens into a "
+                         f"pool layer {tuple(layer_kv.shape)} {layer_kv.dtype}")
+    if rows.device != layer_kv.device:
+        # NOTE: a copy per page run (or per layer) across the link costs a fixed time per operation, far above the
+        # bytes' time at NVLink speed: stage the whole room on the pool's GPU first.
+        rows = rows.to(layer_kv.device, non_blocking=True)  # (..., num_tokens, kv_dim), contiguous
+    if plan.full_pages is None:
+        for src, dst, count in plan.runs:  # one run is one copy
+            layer_kv[..., dst:dst + count, :].copy_(rows[..., src:src + count, :], non_blocking=True)
+        return
+    ps, kv_dim, lead = plan.page_size, layer_kv.shape[-1], layer_kv.shape[:-2]
+    full = plan.full_pages.numel()
+    if full:
+        # NOTE: one kernel moving whole pages (ps * kv_dim values each) instead of one row index per token:
+        # per-token rows of a few hundred bytes ran the scatter at under a third of the copy bandwidth.
+        whole = layer_kv.shape[-2] // ps * ps
+        pool_pages = layer_kv[..., :whole, :].view(*lead, -1, ps * kv_dim)  # (..., num_pages, ps * kv_dim)
+        src = rows[..., :full * ps, :].view(*lead, full, ps * kv_dim)  # (..., full, ps * kv_dim)
+        word = _widest_word(pool_pages, src)
+        if word is not None:
+            pool_pages, src = pool_pages.view(word), src.view(word)
+        pool_pages.index_copy_(-2, plan.full_pages, src)
+    if plan.tail is not None:
+        first_row, first_slot, count = plan.tail
+        layer_kv[..., first_slot:first_slot + count, :].copy_(rows[..., first_row:first_row + count, :])
+
+
+def _widest_word(*tensors: torch.Tensor) -> Optional[torch.dtype]:
+    """The widest of `_WORDS` that every tensor's rows can be viewed as (size, alignment, and the strides of the
+    leading dims), None for none."""
+    for word in _WORDS:
+        size = word.itemsize
+        if size > tensors[0].element_size() and all(
+                t.stride(-1) == 1 and t.shape[-1] * t.element_size() % size == 0
+                and all(stride * t.element_size() % size == 0 for stride in t.stride()[:-1])
+                and t.storage_offset() * t.element_size() % size == 0 and t.data_ptr() % size == 0 for t in tensors):
+            return word
+    return None
+
+
+__all__ = ["PagePlan", "plan_pages", "scatter_pages"]
