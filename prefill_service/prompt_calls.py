@@ -1,37 +1,46 @@
-"""The prefill worker's end of a PrefillStream call: one router's prompts, their destinations and its cancels come in
-as messages on one open call, and each prompt's answer (its PrefillResponse or its failure) goes back on it, the
-answers that finish together in one message.
+"""The prefill worker's end of a PrefillStream call: one router's prompts, their destinations (binds) and its cancels
+come in as messages on one open call, and each prompt's answer (its PrefillResponse or its failure) goes back on it,
+the answers that finish together in one message.
 
-Why a call that stays open: a unary call costs both processes a new HTTP/2 stream, a call object, a task and the
+Why a call that stays open: a new call costs both processes an HTTP/2 stream, a call object, a task and the
 interceptors, on the prefill worker's event loop while the engine thread wants the GIL; a message on an open call
-costs about half as much after the same idle (benchmarks/grpc_hop.py on an H200 host: 0.66 vs 1.23 ms one way
-after 110 ms). A prompt at c=1 crosses two such hops to its first token (router -> prefill worker and back).
+costs about half as much after the same idle (benchmarks/grpc_hop.py measures both). A prompt crosses two such hops to
+its first token (router -> prefill worker and back).
 
-What a prompt does, and how it fails, is the Prefill call's (PrefillServicer.prefill, passed in): this file only
-carries messages. Everything here runs on the event loop.
+What a prompt does, and how it fails, is PrefillServicer.prefill's (passed in): this file carries messages and hands
+each prompt its bind. Everything here runs on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from pdserve.serving.grpc_shell import Drain, ServiceError, status_of
+from pdserve.common.trace import mark
+from pdserve.serving.grpc_shell import Drain, ServiceError, invalid, status_of
 from pdserve.v1 import worker_pb2 as pb
 
 _END = object()  # the router closed its side of the call
 
 
-class PromptCall:
-    """One PrefillStream call. `prefill`: one prompt to its answer (raises ServiceError); `bind`: takes a
-    destination (raises ServiceError); `drain`: the server's (a draining worker answers new prompts UNAVAILABLE, and waits for those in flight)."""
+@dataclass
+class _Prompt:
+    task: asyncio.Task
+    destination: asyncio.Future  # its bind's ReserveResponse, set when the bind comes
 
-    def __init__(self, prefill: Callable[[pb.PrefillRequest], Awaitable[pb.PrefillResponse]],
-                 bind: Callable[[pb.BindRequest], None], drain: Drain):
-        self.prefill, self.bind, self.drain = prefill, bind, drain
-        self.jobs: dict[str, asyncio.Task] = {}  # prompts in flight by request id
+
+class PromptCall:
+    """One PrefillStream call. `prefill(request, destination)`: one prompt to its answer (raises ServiceError),
+    `destination` a future of its bind's ReserveResponse; `drain`: the server's (a draining worker answers new
+    prompts UNAVAILABLE, and waits for those in flight)."""
+
+    def __init__(self, prefill: Callable[[pb.PrefillRequest, Awaitable[pb.ReserveResponse]],
+                                         Awaitable[pb.PrefillResponse]], drain: Drain):
+        self.prefill, self.drain = prefill, drain
+        self.jobs: dict[str, _Prompt] = {}  # prompts in flight by request id
         self._out: asyncio.Queue = asyncio.Queue()  # PrefillAnswer, _END, or the exception the reading ended with
 
     async def serve(self, requests: AsyncIterator[pb.PrefillStreamRequest]) -> AsyncIterator[pb.PrefillStreamResponse]:
@@ -58,7 +67,7 @@ class PromptCall:
         finally:
             reader.cancel()
             for job in list(self.jobs.values()):
-                job.cancel()  # its cleanup drops the prompt from the engine and aborts its transfer
+                job.task.cancel()  # its cleanup drops the prompt from the engine and aborts its transfer
 
     async def _read(self, requests: AsyncIterator[pb.PrefillStreamRequest]) -> None:
         try:
@@ -67,13 +76,13 @@ class PromptCall:
                     self._start(request)
                 for request in msg.bind:
                     try:
-                        self.bind(request)
+                        self._bind(request)
                     except ServiceError as e:  # the prompt waiting for it would wait out its timeout
                         self._end(request.request_id, e)
                 for request_id in msg.cancel:
                     job = self.jobs.pop(request_id, None)
                     if job is not None:
-                        job.cancel()
+                        job.task.cancel()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 (the call broke: serve() ends it with this)
@@ -92,21 +101,37 @@ class PromptCall:
             self._answer_failure(rid, grpc.StatusCode.ALREADY_EXISTS,
                                  f"request_id {rid!r} is already in flight on this call")
         else:
-            self.jobs[rid] = asyncio.ensure_future(self._run(request))
+            destination = asyncio.get_running_loop().create_future()
+            self.jobs[rid] = _Prompt(asyncio.ensure_future(self._run(request, destination)), destination)
 
-    async def _run(self, request: pb.PrefillRequest) -> None:
+    def _bind(self, request: pb.BindRequest) -> None:
+        """Hands the prompt its destination; ServiceError when it cannot take it. A bind whose prompt is no longer
+        in flight (it failed, or the router cancelled it) has nobody to go to, and is dropped."""
+        rid = request.request_id
+        prompt = self.jobs.get(rid)
+        if prompt is None:
+            return
+        if not request.HasField("destination"):
+            raise invalid("destination: missing (the decode worker's ReserveResponse)")
+        if prompt.destination.done():
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} already has a KV destination")
+        mark("prefill.bind", rid)
+        prompt.destination.set_result(request.destination)
+
+    async def _run(self, request: pb.PrefillRequest, destination: asyncio.Future) -> None:
         rid = request.request_id
         # Counted here, not where the task is made: a task cancelled before it starts never runs its finally.
-        self.drain.in_flight += 1  # a stop waits for it, as for a Prefill call
+        self.drain.in_flight += 1  # a stop waits for it
         try:
-            answer = pb.PrefillAnswer(request_id=rid, response=await self.prefill(request))
+            answer = pb.PrefillAnswer(request_id=rid, response=await self.prefill(request, destination))
         except asyncio.CancelledError:
             raise  # cancelled by the router, or the call ended: nobody waits for an answer
         except Exception as e:  # noqa: BLE001 (ServiceError, or anything unexpected: INTERNAL, logged)
             answer = _failure(rid, *status_of(e))
         finally:
             self.drain.in_flight -= 1
-            if self.jobs.get(rid) is asyncio.current_task():
+            job = self.jobs.get(rid)
+            if job is not None and job.task is asyncio.current_task():
                 del self.jobs[rid]
         self._out.put_nowait(answer)
 
@@ -114,7 +139,7 @@ class PromptCall:
         """A prompt fails before its own end (its destination was refused): dropped, and answered with `error`."""
         job = self.jobs.pop(rid, None)
         if job is not None:
-            job.cancel()
+            job.task.cancel()
         self._answer_failure(rid, error.code, str(error))
 
     def _answer_failure(self, rid: str, code: grpc.StatusCode, details: str) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Awaitable, Optional
 
 import grpc
 
@@ -15,7 +15,7 @@ from pdserve.serving.auth import SecurityConfig, internal_auth
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
-    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving, status_of,
+    Drain, ServiceError, create_server, invalid, serve_until_signal, start_serving, status_of,
 )
 from pdserve.kv_transfer import KVTransferError, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
@@ -30,7 +30,6 @@ from pdserve.serving.worker_common import (
     Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread,
 )
 
-from .destinations import Destinations
 from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob
 from .prompt_calls import PromptCall
 
@@ -38,9 +37,8 @@ log = logging.getLogger(__name__)
 
 # The prefill worker process's GIL switch interval (CPython's default: 5 ms). Its threads hand a prompt's KV on to
 # each other (engine thread -> the transport's writer -> the socket) while the engine thread goes on with the step's
-# Python work, which the writer waited out: on an H200 (V3 slice, 2048-token prompts, c=1) the KV announcement left
-# 2-2.5 ms after the hand-off at 5 ms, 0.2 ms at 1 ms. Through `pdserve up` in one call, two rounds each: TTFT median
-# 39.2 / 41.9 -> 38.6 / 38.2 ms, prompts-only input at c=32 60.8k / 57.3k -> 60.8k / 61.6k tok/s.
+# Python work, which the writer would otherwise wait out for up to a whole interval (benchmarks/results/README.md has
+# the A/B).
 GIL_SWITCH_INTERVAL_S = 0.001
 
 # KVTransferError kinds -> the status the router sees.
@@ -93,13 +91,11 @@ class PrefillWorker:
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
                                on_error=self._step_failed)
         self.deliveries: Optional[Deliveries] = None
-        self.destinations: Optional[Destinations] = None  # binds' destinations, by request id
-        self.transfers: set[asyncio.Task] = set()  # KV transfers of answered Prefill calls, still in flight
+        self.transfers: set[asyncio.Task] = set()  # KV transfers of answered prompts, still in flight
         self.last_load = self.load()  # read here, before the engine thread starts
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.deliveries = Deliveries(loop)
-        self.destinations = Destinations()
         self.loop.start()
 
     def _held(self, hashes: list[bytes]) -> None:
@@ -131,8 +127,7 @@ class PrefillWorker:
                                               "prefill step failed (the prefill worker's log has the details)"))
 
     def follow_transfer(self, request_id: str, handle, transport: str) -> None:
-        """Event loop: count a prompt's transfer (handed to the transport) once it ends, off the Prefill call that
-        already answered. A stop waits for the transfers in flight (`transfers_done`)."""
+        """Event loop: count a prompt's transfer (handed to the transport) once it ends, after its answer went. A stop waits for the transfers in flight (`transfers_done`)."""
         async def follow() -> None:
             start = time.monotonic()
             try:
@@ -181,52 +176,38 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
         self.w = worker
         self.drain = drain or Drain()  # the server's: a draining worker refuses new prompts on open calls too
 
-    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        try:
-            resp = await self.prefill(request, "Prefill")
-        except ServiceError as e:
-            await abort_with(context, e)
-        return resp
-
     async def PrefillStream(self, request_iterator, context: grpc.aio.ServicerContext):
-        call = PromptCall(lambda request: self.prefill(request, "PrefillStream"), self.bind, self.drain)
+        call = PromptCall(self.prefill, self.drain)
         async for msg in call.serve(request_iterator):
             yield msg
 
-    async def prefill(self, request: pb.PrefillRequest, rpc: str) -> pb.PrefillResponse:
-        """One prompt, as a Prefill call or a PrefillStream message (`rpc`) brings it: its answer once the first
-        token is sampled (the KV still on its way), or a ServiceError with the status to end it with."""
+    async def prefill(self, request: pb.PrefillRequest,
+                      destination: Awaitable[pb.ReserveResponse]) -> pb.PrefillResponse:
+        """One prompt of a PrefillStream call, computed at once; its KV goes where `destination` (its bind) says once
+        that comes. Its answer once the first token is sampled (the KV still on its way), or a ServiceError with the
+        status to end it with."""
         w = self.w
         rid = request.request_id
         mark("prefill.recv", rid)
-        w.metrics.count(w.metrics.prompts_received, rpc=rpc)
+        w.metrics.count(w.metrics.prompts_received, rpc="PrefillStream")
         transport = w.config.kv_transport  # until the pairing says which (auto)
         try:
             if not request.input_ids:
                 raise invalid("input_ids: the prompt is empty")
             params = sampling_from_proto(request.sampling_params)
             job = PrefillJob(rid, list(request.input_ids), params, [], ships_mtp=False)
-            handle = None
-            if request.HasField("destination"):
-                # Connecting (and the layout handshake, which picks the transport under auto) happens here, before
-                # any compute is spent.
-                handle = await self._open(job, request.destination)
-                transport = handle.transport
             result_future = w.deliveries.expect(rid)
             try:
-                await on_engine_thread(w.loop, lambda: w.engine.add(job, handle), lambda: self._give_up(rid, handle))
-            except BaseException as e:
+                await on_engine_thread(w.loop, lambda: w.engine.add(job, None), lambda: self._give_up(rid))
+            except BaseException:
                 w.deliveries.discard(rid)
-                if handle is not None and not isinstance(e, asyncio.CancelledError):  # (a cancel's undo aborts it)
-                    handle.abort()
                 raise
             w.metrics.count(w.metrics.prompt_tokens, len(job.prompt_ids))
             try:
-                if handle is None:  # computing already; the destination comes as its bind
-                    handle = await self._open(job, await w.destinations.take(rid, w.config.transfer_timeout_s))
-                    transport = handle.transport
-                    w.engine.bind(rid, handle, job.dst_pages, job.ships_mtp)
-                    w.loop.submit(w.apply_binds)  # (an engine with nothing to compute is waiting for a command)
+                handle = await self._open(job, await self._destination(rid, destination))
+                transport = handle.transport
+                w.engine.bind(rid, handle, job.dst_pages, job.ships_mtp)
+                w.loop.submit(w.apply_binds)  # (an engine with nothing to compute is waiting for a command)
                 result = await result_future
             except BaseException:  # the router gave up (client cancelled), or no usable destination: stop the work
                 w.deliveries.discard(rid)
@@ -252,28 +233,19 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             w.metrics.count(w.metrics.requests, outcome="rejected")
             raise ServiceError(*status_of(e)) from None
 
-    def _give_up(self, rid: str, handle) -> None:
-        """Engine thread: the job of a Prefill call cancelled while it was being added, whether or not it was (a
-        prompt nobody binds would otherwise stay parked, its pages held for good)."""
-        if not self.w.engine.abort(rid) and handle is not None:  # (abort aborts the handle of a job it finds)
-            handle.abort()
+    def _give_up(self, rid: str) -> None:
+        """Engine thread: the job of a prompt cancelled while it was being added, whether or not it was (a prompt
+        nobody binds would otherwise stay computed, its pages held for good)."""
+        self.w.engine.abort(rid)
         self.w._update_gauges()  # an idle engine runs no step that would refresh them
 
-    async def Bind(self, request: pb.BindRequest, context: grpc.aio.ServicerContext) -> pb.BindResponse:
+    async def _destination(self, rid: str, destination: Awaitable[pb.ReserveResponse]) -> pb.ReserveResponse:
+        timeout_s = self.w.config.transfer_timeout_s
         try:
-            self.bind(request)
-        except ServiceError as e:
-            await abort_with(context, e)
-        return pb.BindResponse()
-
-    def bind(self, request: pb.BindRequest) -> None:
-        """A destination, as a Bind call or a PrefillStream message brings it; ServiceError when it cannot be taken."""
-        if not request.request_id:
-            raise invalid("request_id: empty")
-        if not request.HasField("destination"):
-            raise invalid("destination: missing (the decode worker's ReserveResponse)")
-        mark("prefill.bind", request.request_id)
-        self.w.destinations.put(request.request_id, request.destination)
+            return await asyncio.wait_for(destination, timeout_s)
+        except asyncio.TimeoutError:
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"no KV destination (bind) came for request {rid!r} within {timeout_s:g} s") from None
 
     async def _open(self, job: PrefillJob, destination: pb.ReserveResponse):
         """The send handle to `destination` (the decode worker's ReserveResponse: room, kv_endpoint, dst_pages,
@@ -293,10 +265,8 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             raise
         job.dst_pages, job.ships_mtp = dst_pages, ships_mtp
         # Where this worker is paired with that decode worker already (every prompt after its first), opening a room
-        # cannot block: open it right here. A Bind arrives while the engine thread computes its prompt, and a thread
-        # hop there (an executor thread, then back on this loop) is two more takers of the engine thread's GIL: on
-        # an H200 (demo model, c=1, fresh stacks alternating) the forward's first layer was launched 0.5-0.9 ms
-        # sooner after the prompt was queued (benchmarks/results/README.md, the nineteenth session).
+        # cannot block: open it right here. A bind arrives while the engine thread computes its prompt, and a thread
+        # hop there (an executor thread, then back on this loop) is two more takers of the engine thread's GIL.
         room = (destination.kv_endpoint, destination.room, w.engine.num_layers_for(job), dst_pages)
         handle = w.sender.begin_if_paired(*room)
         if handle is not None:
@@ -320,7 +290,7 @@ async def serve_prefill(worker: PrefillWorker, ready=None) -> None:
     if worker.config.warmup:
         worker.warmup_report = warm_up_worker(worker.core, "prefill")
     sec = worker.config.security
-    drain = Drain(tracked={"Prefill"}, refused={"Prefill", "PrefillStream", "GetLoad"})
+    drain = Drain(refused={"PrefillStream", "GetLoad"})  # (PromptCall counts its prompts in flight)
     server, port = create_server(worker.config.host, worker.config.port,
                                  [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name],
                                  lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, drain),

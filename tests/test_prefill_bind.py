@@ -1,11 +1,13 @@
 """A prompt computed before its KV destination is known (the router reserves on the decode worker meanwhile): the
 prefill engine parks it (pages held, aux kept) and ships it at its bind with the rows and aux record a job bound from
 the start ships; a bind during the forward streams the layers computed so far at once; an aborted parked prompt lets
-its pages go. Through a real prefill worker: Bind before or after Prefill, a second Bind, and no Bind at all."""
+its pages go. Through a real prefill worker's PrefillStream: a bind in the prompt's message or after the prompt was
+computed, a second bind, a bind without its destination, and no bind at all."""
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -169,19 +171,24 @@ def in_process_worker(tiny_v3_dir) -> PrefillWorker:
                          WorkerIdentity("prefill-test", "prefill", "127.0.0.1:0"), Metrics.create("prefill"))
 
 
-def bound_request(worker: PrefillWorker, rid: str = "r") -> pb.PrefillRequest:
-    """A Prefill with its destination (skip_mtp_kv); pair it with `worker.sender.begin = lambda *a: handle`."""
-    request = pb.PrefillRequest(request_id=rid, input_ids=worker.core.encode(PROMPT))
-    request.destination.CopyFrom(pb.ReserveResponse(dst_pages=list(range(16)), layout=layout_to_proto(worker.layout),
-                                                    skip_mtp_kv=True))
-    return request
+def prompt_of(worker: PrefillWorker, rid: str = "r") -> pb.PrefillRequest:
+    return pb.PrefillRequest(request_id=rid, input_ids=worker.core.encode(PROMPT))
 
 
-@pytest.mark.parametrize("during", ["add", "bound add", "connect"])
-def test_a_prefill_call_cancelled_midway_leaves_no_pages_and_no_open_handle_behind(tiny_v3_dir, during):
-    """The router's deadline can end a Prefill call while the engine thread runs its add, or while a thread opens
-    its KV connection: that work goes on all the same, so the call must undo it when it ends (found as a leak on a
-    2-core CI machine: 2 of 512 pages held for good after 200 requests with 1-20 ms deadlines)."""
+def bound(worker: PrefillWorker) -> asyncio.Future:
+    """A prompt's destination that came already (skip_mtp_kv); pair it with `worker.sender.begin = lambda *a:
+    handle`. On the running loop."""
+    destination = asyncio.get_running_loop().create_future()
+    destination.set_result(pb.ReserveResponse(dst_pages=list(range(16)), layout=layout_to_proto(worker.layout),
+                                              skip_mtp_kv=True))
+    return destination
+
+
+@pytest.mark.parametrize("during", ["add", "connect"])
+def test_a_prompt_dropped_midway_leaves_no_pages_and_no_open_handle_behind(tiny_v3_dir, during):
+    """The router can drop a prompt (its cancel, its deadline ending the call) while the engine thread runs its add,
+    or while a thread opens its KV connection: that work goes on all the same, so the prompt must undo it when it
+    ends (a leak of this kind once held pages for good under short deadlines)."""
     worker = in_process_worker(tiny_v3_dir)
     midway, go_on = threading.Event(), threading.Event()
 
@@ -194,17 +201,15 @@ def test_a_prefill_call_cancelled_midway_leaves_no_pages_and_no_open_handle_behi
 
     handle = RecordingHandle([])
     handle.transport = "tcp"
-    worker.sender.begin = lambda *args: handle  # a bound call's destination, without a decode worker
+    worker.sender.begin = lambda *args: handle  # the bind's destination, without a decode worker
     if during == "connect":
         worker.sender.begin = held_up(worker.sender.begin)
     else:
         worker.engine.add = held_up(worker.engine.add)
-    request = (pb.PrefillRequest(request_id="r", input_ids=worker.core.encode(PROMPT)) if during == "add"
-               else bound_request(worker))
 
     async def cancel_midway() -> pb.WorkerLoad:
         worker.start(asyncio.get_running_loop())
-        call = asyncio.ensure_future(PrefillServicer(worker).Prefill(request, context=None))
+        call = asyncio.ensure_future(PrefillServicer(worker).prefill(prompt_of(worker), bound(worker)))
         assert await asyncio.to_thread(midway.wait, 10)
         call.cancel()  # the other thread is inside the add (or the connect): the cancel cannot stop it
         with pytest.raises(asyncio.CancelledError):
@@ -247,7 +252,7 @@ def test_a_destination_already_paired_is_opened_on_the_event_loop_not_on_a_threa
 
     async def prefill() -> pb.PrefillResponse:
         worker.start(asyncio.get_running_loop())
-        return await PrefillServicer(worker).Prefill(bound_request(worker), context=None)
+        return await PrefillServicer(worker).prefill(prompt_of(worker), bound(worker))
 
     try:
         response = asyncio.run(prefill())
@@ -289,49 +294,80 @@ def _prefill_request(rid, prompt, max_new_tokens=4) -> pb.PrefillRequest:
                              sampling_params=gen_pb.SamplingParams(max_new_tokens=max_new_tokens))
 
 
+class RawCall:
+    """A PrefillStream call the test writes messages to (`send`, `close`: the router's side ends) and reads the
+    answers of (`answers`, an iterator of PrefillStreamResponse)."""
+
+    def __init__(self, stub: pb_grpc.PrefillWorkerStub, timeout: float):
+        self.commands: queue.Queue = queue.Queue()
+        self.answers = iter(stub.PrefillStream(iter(self.commands.get, None), timeout=timeout))
+
+    def send(self, **fields) -> None:
+        self.commands.put(pb.PrefillStreamRequest(**fields))
+
+    def close(self) -> None:
+        self.commands.put(None)
+
+
+def _failure_of(answer: pb.PrefillAnswer) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == answer.failure.code)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("bind_first", [False, True])
-def test_bind_before_or_after_prefill_gives_the_tokens_of_a_routed_request(stack, bind_first):
+@pytest.mark.parametrize("bind_later", [False, True])
+def test_a_bind_in_the_prompts_message_or_after_it_was_computed_gives_the_tokens_of_a_routed_request(stack,
+                                                                                                   bind_later):
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
-    rid = f"bind-{bind_first}"
+    rid = f"bind-{bind_later}"
     pool = ThreadPoolExecutor(3)
     with grpc.insecure_channel(stack.decode[0].address) as dch, grpc.insecure_channel(stack.prefill[0].address) as pch:
-        decode, prefill = pb_grpc.DecodeWorkerStub(dch), pb_grpc.PrefillWorkerStub(pch)
+        decode = pb_grpc.DecodeWorkerStub(dch)
+        call = RawCall(pb_grpc.PrefillWorkerStub(pch), timeout=30)
         reserve = _reserve(decode, rid, prompt)
         updates = pool.submit(decode_updates, decode, rid)
-        if bind_first:
-            prefill.Bind(_bind_request(rid, reserve), timeout=10)
-            response = prefill.Prefill(_prefill_request(rid, prompt), timeout=30)
+        if bind_later:
+            call.send(prefill=[_prefill_request(rid, prompt)])
+            answer = pool.submit(next, call.answers)
+            time.sleep(0.5)  # computed by now on this tiny model
+            assert not answer.done()  # it waits for its destination
+            call.send(bind=[_bind_request(rid, reserve)])
         else:
-            call = pool.submit(prefill.Prefill, _prefill_request(rid, prompt), timeout=30)
-            time.sleep(0.5)  # computed and parked by now on this tiny model
-            assert not call.done()  # it waits for its destination
-            prefill.Bind(_bind_request(rid, reserve), timeout=10)
-            response = call.result(30)
+            call.send(prefill=[_prefill_request(rid, prompt)], bind=[_bind_request(rid, reserve)])
+            answer = pool.submit(next, call.answers)
+        answers = answer.result(30).answers
+        call.close()
+        assert list(call.answers) == []
         tokens = [t for u in updates.result(30) for t in u.token_ids]
-    assert tokens[0] == response.first_token_id and len(tokens) == 4
+    assert [a.request_id for a in answers] == [rid] and answers[0].HasField("response"), answers
+    assert tokens[0] == answers[0].response.first_token_id and len(tokens) == 4
     assert generate(stack.router.address, prompt, SamplingParams(max_new_tokens=4)).output_ids == tokens
     idle = wait_idle(stack.prefill[0])
     assert idle.num_free_pages == idle.num_total_pages and idle.num_running_requests == 0, idle
 
 
 @pytest.mark.slow
-def test_a_second_bind_is_already_exists_and_a_prefill_never_bound_ends_at_its_deadline_holding_nothing(stack):
-    """(and a Bind without its destination is INVALID_ARGUMENT)"""
+def test_a_second_bind_is_already_exists_and_a_prompt_never_bound_ends_with_its_calls_deadline_holding_nothing(stack):
+    """(and a bind without its destination is INVALID_ARGUMENT)"""
     prompt = [21, 22, 23, 24, 25, 26]
     with grpc.insecure_channel(stack.decode[0].address) as dch, grpc.insecure_channel(stack.prefill[0].address) as pch:
         decode, prefill = pb_grpc.DecodeWorkerStub(dch), pb_grpc.PrefillWorkerStub(pch)
         reserve = _reserve(decode, "twice", prompt)
-        prefill.Bind(_bind_request("twice", reserve), timeout=10)
-        with pytest.raises(grpc.RpcError) as second:
-            prefill.Bind(_bind_request("twice", reserve), timeout=10)
-        assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS, second.value
-        with pytest.raises(grpc.RpcError) as empty:
-            prefill.Bind(pb.BindRequest(request_id="no-destination"), timeout=10)
-        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "destination" in empty.value.details()
+        call = RawCall(prefill, timeout=30)
+        call.send(prefill=[_prefill_request("twice", prompt)],
+                  bind=[_bind_request("twice", reserve), _bind_request("twice", reserve)])
+        second = next(call.answers).answers
+        assert [a.request_id for a in second] == ["twice"] and _failure_of(second[0]) == grpc.StatusCode.ALREADY_EXISTS
+        call.send(prefill=[_prefill_request("no-destination", prompt)],
+                  bind=[pb.BindRequest(request_id="no-destination")])
+        empty = next(call.answers).answers
+        assert _failure_of(empty[0]) == grpc.StatusCode.INVALID_ARGUMENT and "destination" in empty[0].failure.message
+        call.close()
+        assert list(call.answers) == []
         decode.Abort(pb.AbortRequest(request_id="twice"), timeout=10)
-        with pytest.raises(grpc.RpcError) as unbound:
-            prefill.Prefill(_prefill_request("never-bound", prompt), timeout=1.0)
-        assert unbound.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, unbound.value
+        unbound = RawCall(prefill, timeout=1.0)
+        unbound.send(prefill=[_prefill_request("never-bound", prompt)])
+        with pytest.raises(grpc.RpcError) as ended:
+            next(unbound.answers)
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value
     idle = wait_idle(stack.prefill[0], 10)
     assert idle.num_free_pages == idle.num_total_pages and idle.num_running_requests == 0, idle

@@ -1,6 +1,6 @@
 """The router's prompts travel on one open PrefillStream call per prefill worker (prefill_service/prompt_calls.py and
-router/prefill_streams.py): the worker's end without a model (answers batched, cancels, a refused bind, drain, the
-call ending), the router's end against a call that breaks, and a real stack whose routed requests all come on one
+router/prefill_streams.py): the worker's end without a model (answers batched, cancels, binds, drain, the call
+ending), the router's end against a call that breaks, and a real stack whose routed requests all come on one
 call, with a raw call's prompt, bind and cancel."""
 
 from __future__ import annotations
@@ -26,27 +26,28 @@ from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from stack import decode_updates, generate, scrape, start_stack, wait_idle
 
 UNAVAILABLE, ALREADY_EXISTS = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---- the worker's end, without a model or gRPC ---------------------------------------------------------------------
 class FakeWorker:
-    """prefill(): waits until the test releases the request id, then answers it as its first token (or raises what
-    the test set). bind(): records, or raises ALREADY_EXISTS for ids in `refuse`."""
+    """prefill(): keeps the prompt's destination future, waits until the test releases the request id, then answers
+    it as its first token (or raises what the test set)."""
 
     def __init__(self) -> None:
         self.release: dict[str, asyncio.Future] = {}
         self.started: list[str] = []
         self.cancelled: list[str] = []
-        self.bound: list[str] = []
-        self.refuse: set[str] = set()
+        self.destinations: dict[str, asyncio.Future] = {}
         self.drain = Drain()
 
     def gate(self, rid: str) -> asyncio.Future:
         return self.release.setdefault(rid, asyncio.get_running_loop().create_future())
 
-    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+    async def prefill(self, request: pb.PrefillRequest, destination: asyncio.Future) -> pb.PrefillResponse:
         rid = request.request_id
         self.started.append(rid)
+        self.destinations[rid] = destination
         try:
             outcome = await self.gate(rid)
         except asyncio.CancelledError:
@@ -56,13 +57,8 @@ class FakeWorker:
             raise outcome
         return pb.PrefillResponse(first_token_id=outcome)
 
-    def bind(self, request: pb.BindRequest) -> None:
-        if request.request_id in self.refuse:
-            raise ServiceError(ALREADY_EXISTS, f"request_id {request.request_id!r} already has a KV destination")
-        self.bound.append(request.request_id)
-
     def call(self) -> PromptCall:
-        return PromptCall(self.prefill, self.bind, self.drain)
+        return PromptCall(self.prefill, self.drain)
 
 
 class Requests:
@@ -142,20 +138,29 @@ def test_a_cancel_drops_its_prompt_without_an_answer_even_in_the_message_that_br
     asyncio.run(main())
 
 
-def test_a_refused_bind_fails_its_prompt_with_that_status_and_stops_it():
+def bind(rid: str, room: int) -> pb.BindRequest:
+    return pb.BindRequest(request_id=rid, destination=pb.ReserveResponse(room=room))
+
+
+def test_a_bind_reaches_its_prompt_and_a_refused_one_fails_its_prompt_with_that_status_and_stops_it():
+    """A second bind is ALREADY_EXISTS and one without its destination INVALID_ARGUMENT, each failing its prompt; a
+    bind in the prompt's own message reaches it; a bind for a prompt not in flight is dropped."""
     async def main():
         w, requests = FakeWorker(), Requests()
-        w.refuse.add("twice")
         responses = w.call().serve(requests)
         nxt = asyncio.ensure_future(responses.__anext__())
-        requests.send(prefill=[prompt("ok"), prompt("twice")])
-        await settle()  # both computing
-        requests.send(bind=[pb.BindRequest(request_id="ok"), pb.BindRequest(request_id="twice")])
+        requests.send(prefill=[prompt("ok"), prompt("twice"), prompt("bare")])
+        await settle()  # all computing
+        requests.send(prefill=[prompt("along")],
+                      bind=[bind("ok", 1), bind("twice", 2), bind("twice", 3), pb.BindRequest(request_id="bare"),
+                            bind("gone", 4), bind("along", 5)])
         msg = await nxt
-        assert outcomes(msg) == [("twice", ALREADY_EXISTS)] and "already has a KV destination" in \
-            msg.answers[0].failure.message
+        assert outcomes(msg) == [("twice", ALREADY_EXISTS), ("bare", INVALID_ARGUMENT)], msg
+        assert "already has a KV destination" in msg.answers[0].failure.message
+        assert "destination" in msg.answers[1].failure.message
         await settle()
-        assert w.bound == ["ok"] and w.cancelled == ["twice"]
+        assert sorted(w.cancelled) == ["bare", "twice"] and "gone" not in w.started
+        assert w.destinations["ok"].result().room == 1 and w.destinations["along"].result().room == 5
     asyncio.run(main())
 
 
@@ -382,7 +387,6 @@ def test_routed_requests_come_on_the_routers_open_call_not_one_call_each(stack):
             for i in range(4)]
     assert all(len(o.output_ids) == 3 for o in outs)
     assert received(stack.prefill[0], "PrefillStream") == before + 4
-    assert received(stack.prefill[0], "Prefill") == 0
 
 
 @pytest.mark.slow

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"n\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x15\n\rnum_kv_layers\x18\x03 \x01(\r\x12\x0e\n\x06kv_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"l\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\x82\x01\n\x0fReserveResponse\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x11\n\tdst_pages\x18\x03 \x03(\r\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x13\n\x0bskip_mtp_kv\x18\x05 \x01(\x08\"\xc2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x30\n\x0b\x64\x65stination\x18\n \x01(\x0b\x32\x1b.pdserve.v1.ReserveResponseJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"q\n\x0b\x42indRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x07 \x01(\x0b\x32\x1b.pdserve.v1.ReserveResponseJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\x0e\n\x0c\x42indResponse\"\xd7\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x65victed_block_hashes\x18\x03 \x03(\x0c\x12\x37\n\x14\x66irst_token_logprobs\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"z\n\x14PrefillStreamRequest\x12+\n\x07prefill\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.PrefillRequest\x12%\n\x04\x62ind\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.BindRequest\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x03(\t\"\x87\x01\n\rPrefillAnswer\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponseH\x00\x12&\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.FailureH\x00\x42\t\n\x07outcome\"C\n\x15PrefillStreamResponse\x12*\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.PrefillAnswer\"5\n\x13\x44\x65\x63odeStreamRequest\x12\x0e\n\x06\x61ttach\x18\x01 \x03(\t\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\t\"A\n\x14\x44\x65\x63odeStreamResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.DecodeUpdate\"\xe9\x01\n\x0c\x44\x65\x63odeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12$\n\x07\x66\x61ilure\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Failure\"(\n\x07\x46\x61ilure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x93\x01\n\nWorkerLoad\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x04 \x01(\r\x12\x18\n\x10num_transferring\x18\x05 \x01(\r\"\x16\n\x14GetWorkerInfoRequest\"\xcb\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12$\n\x05model\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.ModelInfo\x12\x13\n\x0bkv_endpoint\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xb0\x03\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x39\n\x04\x42ind\x12\x17.pdserve.v1.BindRequest\x1a\x18.pdserve.v1.BindResponse\x12X\n\rPrefillStream\x12 .pdserve.v1.PrefillStreamRequest\x1a!.pdserve.v1.PrefillStreamResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\xf1\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12U\n\x0c\x44\x65\x63odeStream\x12\x1f.pdserve.v1.DecodeStreamRequest\x1a .pdserve.v1.DecodeStreamResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"n\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x15\n\rnum_kv_layers\x18\x03 \x01(\r\x12\x0e\n\x06kv_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"l\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\x82\x01\n\x0fReserveResponse\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x11\n\tdst_pages\x18\x03 \x03(\r\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x13\n\x0bskip_mtp_kv\x18\x05 \x01(\x08\"\x96\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0b\"q\n\x0b\x42indRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x07 \x01(\x0b\x32\x1b.pdserve.v1.ReserveResponseJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\xd7\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x65victed_block_hashes\x18\x03 \x03(\x0c\x12\x37\n\x14\x66irst_token_logprobs\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobsJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"z\n\x14PrefillStreamRequest\x12+\n\x07prefill\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.PrefillRequest\x12%\n\x04\x62ind\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.BindRequest\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x03(\t\"\x87\x01\n\rPrefillAnswer\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponseH\x00\x12&\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.FailureH\x00\x42\t\n\x07outcome\"C\n\x15PrefillStreamResponse\x12*\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.PrefillAnswer\"5\n\x13\x44\x65\x63odeStreamRequest\x12\x0e\n\x06\x61ttach\x18\x01 \x03(\t\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\t\"A\n\x14\x44\x65\x63odeStreamResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.DecodeUpdate\"\xe9\x01\n\x0c\x44\x65\x63odeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12$\n\x07\x66\x61ilure\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Failure\"(\n\x07\x46\x61ilure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x93\x01\n\nWorkerLoad\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x04 \x01(\r\x12\x18\n\x10num_transferring\x18\x05 \x01(\r\"\x16\n\x14GetWorkerInfoRequest\"\xcb\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12$\n\x05model\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.ModelInfo\x12\x13\n\x0bkv_endpoint\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xb1\x02\n\rPrefillWorker\x12X\n\rPrefillStream\x12 .pdserve.v1.PrefillStreamRequest\x1a!.pdserve.v1.PrefillStreamResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\xf1\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12U\n\x0c\x44\x65\x63odeStream\x12\x1f.pdserve.v1.DecodeStreamRequest\x1a .pdserve.v1.DecodeStreamResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2164
-  _globals['_WORKERROLE']._serialized_end=2254
+  _globals['_WORKERROLE']._serialized_start=2104
+  _globals['_WORKERROLE']._serialized_end=2194
   _globals['_KVLAYOUT']._serialized_start=66
   _globals['_KVLAYOUT']._serialized_end=176
   _globals['_RESERVEREQUEST']._serialized_start=178
@@ -41,41 +41,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVERESPONSE']._serialized_start=289
   _globals['_RESERVERESPONSE']._serialized_end=419
   _globals['_PREFILLREQUEST']._serialized_start=422
-  _globals['_PREFILLREQUEST']._serialized_end=616
-  _globals['_BINDREQUEST']._serialized_start=618
-  _globals['_BINDREQUEST']._serialized_end=731
-  _globals['_BINDRESPONSE']._serialized_start=733
-  _globals['_BINDRESPONSE']._serialized_end=747
-  _globals['_PREFILLRESPONSE']._serialized_start=750
-  _globals['_PREFILLRESPONSE']._serialized_end=965
-  _globals['_PREFILLSTREAMREQUEST']._serialized_start=967
-  _globals['_PREFILLSTREAMREQUEST']._serialized_end=1089
-  _globals['_PREFILLANSWER']._serialized_start=1092
-  _globals['_PREFILLANSWER']._serialized_end=1227
-  _globals['_PREFILLSTREAMRESPONSE']._serialized_start=1229
-  _globals['_PREFILLSTREAMRESPONSE']._serialized_end=1296
-  _globals['_DECODESTREAMREQUEST']._serialized_start=1298
-  _globals['_DECODESTREAMREQUEST']._serialized_end=1351
-  _globals['_DECODESTREAMRESPONSE']._serialized_start=1353
-  _globals['_DECODESTREAMRESPONSE']._serialized_end=1418
-  _globals['_DECODEUPDATE']._serialized_start=1421
-  _globals['_DECODEUPDATE']._serialized_end=1654
-  _globals['_FAILURE']._serialized_start=1656
-  _globals['_FAILURE']._serialized_end=1696
-  _globals['_ABORTREQUEST']._serialized_start=1698
-  _globals['_ABORTREQUEST']._serialized_end=1732
-  _globals['_ABORTRESPONSE']._serialized_start=1734
-  _globals['_ABORTRESPONSE']._serialized_end=1764
-  _globals['_GETLOADREQUEST']._serialized_start=1766
-  _globals['_GETLOADREQUEST']._serialized_end=1782
-  _globals['_WORKERLOAD']._serialized_start=1785
-  _globals['_WORKERLOAD']._serialized_end=1932
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=1934
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=1956
-  _globals['_WORKERINFO']._serialized_start=1959
-  _globals['_WORKERINFO']._serialized_end=2162
-  _globals['_PREFILLWORKER']._serialized_start=2257
-  _globals['_PREFILLWORKER']._serialized_end=2689
-  _globals['_DECODEWORKER']._serialized_start=2692
-  _globals['_DECODEWORKER']._serialized_end=3061
+  _globals['_PREFILLREQUEST']._serialized_end=572
+  _globals['_BINDREQUEST']._serialized_start=574
+  _globals['_BINDREQUEST']._serialized_end=687
+  _globals['_PREFILLRESPONSE']._serialized_start=690
+  _globals['_PREFILLRESPONSE']._serialized_end=905
+  _globals['_PREFILLSTREAMREQUEST']._serialized_start=907
+  _globals['_PREFILLSTREAMREQUEST']._serialized_end=1029
+  _globals['_PREFILLANSWER']._serialized_start=1032
+  _globals['_PREFILLANSWER']._serialized_end=1167
+  _globals['_PREFILLSTREAMRESPONSE']._serialized_start=1169
+  _globals['_PREFILLSTREAMRESPONSE']._serialized_end=1236
+  _globals['_DECODESTREAMREQUEST']._serialized_start=1238
+  _globals['_DECODESTREAMREQUEST']._serialized_end=1291
+  _globals['_DECODESTREAMRESPONSE']._serialized_start=1293
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=1358
+  _globals['_DECODEUPDATE']._serialized_start=1361
+  _globals['_DECODEUPDATE']._serialized_end=1594
+  _globals['_FAILURE']._serialized_start=1596
+  _globals['_FAILURE']._serialized_end=1636
+  _globals['_ABORTREQUEST']._serialized_start=1638
+  _globals['_ABORTREQUEST']._serialized_end=1672
+  _globals['_ABORTRESPONSE']._serialized_start=1674
+  _globals['_ABORTRESPONSE']._serialized_end=1704
+  _globals['_GETLOADREQUEST']._serialized_start=1706
+  _globals['_GETLOADREQUEST']._serialized_end=1722
+  _globals['_WORKERLOAD']._serialized_start=1725
+  _globals['_WORKERLOAD']._serialized_end=1872
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=1874
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=1896
+  _globals['_WORKERINFO']._serialized_start=1899
+  _globals['_WORKERINFO']._serialized_end=2102
+  _globals['_PREFILLWORKER']._serialized_start=2197
+  _globals['_PREFILLWORKER']._serialized_end=2502
+  _globals['_DECODEWORKER']._serialized_start=2505
+  _globals['_DECODEWORKER']._serialized_end=2874
 # @@protoc_insertion_point(module_scope)

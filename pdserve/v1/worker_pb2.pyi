@@ -55,16 +55,14 @@ class ReserveResponse(_message.Message):
     def __init__(self, room: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., skip_mtp_kv: bool = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "sampling_params", "destination")
+    __slots__ = ("request_id", "input_ids", "sampling_params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
-    DESTINATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generate_pb2.SamplingParams
-    destination: ReserveResponse
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class BindRequest(_message.Message):
     __slots__ = ("request_id", "destination")
@@ -73,10 +71,6 @@ class BindRequest(_message.Message):
     request_id: str
     destination: ReserveResponse
     def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
-
-class BindResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "cached_tokens", "evicted_block_hashes", "first_token_logprobs", "prompt_logprobs")

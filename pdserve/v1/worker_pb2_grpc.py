@@ -35,16 +35,6 @@ class PrefillWorkerStub(object):
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
-                '/pdserve.v1.PrefillWorker/Prefill',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
-                _registered_method=True)
-        self.Bind = channel.unary_unary(
-                '/pdserve.v1.PrefillWorker/Bind',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.BindRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.BindResponse.FromString,
-                _registered_method=True)
         self.PrefillStream = channel.stream_stream(
                 '/pdserve.v1.PrefillWorker/PrefillStream',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillStreamRequest.SerializeToString,
@@ -71,35 +61,20 @@ class PrefillWorkerServicer(object):
     """A prefill worker computes prompts and ships their latent KV to a decode worker.
     """
 
-    def Prefill(self, request, context):
-        """Computes the prompt (reusing its prefix cache), samples the first token, and sends the KV of every layer
-        (the NextN layer included) plus the first token and last hidden state to the decode worker's KV endpoint,
-        into the pages that worker reserved. Answers as soon as the first token is sampled and the KV handed to the
-        transport, before the transfer ends (the router sends that token to its client at once; the decode worker's
-        stream reports what becomes of the transfer). FAILED_PRECONDITION when the decode worker's KV layout is
-        incompatible; UNAVAILABLE when it cannot be reached; DEADLINE_EXCEEDED on timeout.
-        Without a destination the compute starts at once and the KV waits for a Bind call that brings it: the router
-        reserves on the decode worker while the prompt is computed, not before.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Bind(self, request, context):
-        """The destination of a Prefill sent without one (the decode worker's ReserveResponse). Answers at
-        once (before or after that Prefill arrives: they may overtake each other). ALREADY_EXISTS for a second
-        destination of one request.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def PrefillStream(self, request_iterator, context):
-        """Prefill and Bind for many requests on one call: a router opens one per prefill worker and keeps it open. Each
-        prompt is answered once on it (its PrefillResponse or its failure, in the order they finish); what a prompt
-        does and how it fails are those of the Prefill call. A message on an open call skips what a new call costs
-        both processes (its HTTP/2 stream, call object and interceptors): about half the latency of a unary call on an
-        H200 host after the same idle (benchmarks/grpc_hop.py). Ending the call drops its prompts still in flight.
+        """The prompts of many requests on one call: a router opens one per prefill worker and keeps it open (a message on
+        an open call skips what a new call costs both processes: its HTTP/2 stream, call object and interceptors).
+        A prompt's compute starts as soon as it arrives (reusing the prefix cache); its destination (the decode
+        worker's ReserveResponse) follows on the same call as its bind, since the router reserves on the decode worker
+        while the prompt is computed. Once both are there the KV of every layer (the NextN layer included), the first
+        token and the last hidden state go to the decode worker's KV endpoint, into the pages it reserved.
+        Each prompt is answered once, in the order they finish: its PrefillResponse as soon as its first token is
+        sampled and its KV handed to the transport, before the transfer ends (the router sends that token to its
+        client at once; the decode worker's stream reports what becomes of the transfer), or its failure:
+        INVALID_ARGUMENT for a bad prompt or bind, ALREADY_EXISTS for a second bind, FAILED_PRECONDITION when the
+        decode worker's KV layout is incompatible, UNAVAILABLE when it cannot be reached or this worker is draining,
+        RESOURCE_EXHAUSTED when the queue is full, DEADLINE_EXCEEDED when no bind came in time. Ending the call drops
+        its prompts still in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,16 +104,6 @@ class PrefillWorkerServicer(object):
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
-            ),
-            'Bind': grpc.unary_unary_rpc_method_handler(
-                    servicer.Bind,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.BindRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.BindResponse.SerializeToString,
-            ),
             'PrefillStream': grpc.stream_stream_rpc_method_handler(
                     servicer.PrefillStream,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillStreamRequest.FromString,
@@ -170,60 +135,6 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
 class PrefillWorker(object):
     """A prefill worker computes prompts and ships their latent KV to a decode worker.
     """
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.PrefillWorker/Prefill',
-            pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Bind(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.PrefillWorker/Bind',
-            pdserve_dot_v1_dot_worker__pb2.BindRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.BindResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def PrefillStream(request_iterator,
