@@ -48,7 +48,7 @@ def gemm(block_n: int, warps: int, stages: int, group_m: int = 16, block_k: int 
 # activation columns). SGLang's tuned H100/H200/H800 tables for E=256/257 block-FP8 [128, 128] pick BLOCK_M 64,
 # BLOCK_N 128, BLOCK_K 128, GROUP_M 16-32, 4 warps, 3-4 stages at 2048-4096 tokens: that point and its neighbours,
 # plus the larger tiles that compile without register spills for sm_90 (ptxas, Triton 3.6): 64 x 256 and
-# 128 x 128 at 8 warps. 128 x 256 spills, as did the old two-accumulator gate-up at 128 x 128. The down GEMM also
+# 128 x 128 at 8 warps. 128 x 256 spills, as does a two-accumulator gate-up at 128 x 128. The down GEMM also
 # has contiguous-layout candidates (LAYOUT "contiguous": TMA loads, triton_grouped_gemm.py), the best tiles of
 # bench_moe_gemm.py --contiguous (see benchmarks/results/README.md, `moe`).
 PREFILL = {
