@@ -3,7 +3,7 @@
 Why: at decode batch sizes every op is a kernel launch of a few microseconds, and the references are chains of
 small ops: RMSNorm is 7-8 kernels (cast, square, mean, add, rsqrt, multiply, cast, scale) and a rotation about 10
 (casts, strided halves, four products, two sums, a concat). A DeepSeek layer has four norms and two rotations, the
-NextN layer seven norms: in a CUDA graph of the 8-layer demo model that is about 400 of its launches.
+NextN layer seven norms: in a CUDA graph of a small model such launches are most of a step's.
 
 Both kernels keep the references' rounding steps (normalise in fp32, cast to the input dtype, then scale;
 rotate with cos/sin cast to the input dtype and every product and sum rounded to it). Under the CPU interpreter the

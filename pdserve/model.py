@@ -74,7 +74,7 @@ class RotaryEmbedding(nn.Module):
         dim = cfg.qk_rope_head_dim
         # NOTE: computed on the CPU even while build_model lays the model out on the meta device (it moves the
         # rotary to the model's device): a meta arange runs torch's Python reference, whose first call imports
-        # torch._dynamo, about 2 s of every worker's start-up on a CPU.
+        # torch._dynamo, seconds of every worker's start-up.
         with torch.device("cpu"):
             if r.rope_type == "yarn":
                 inv_freq = yarn_inv_freq(dim, r.theta, r.factor, r.original_max_position_embeddings, r.beta_fast,

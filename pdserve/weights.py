@@ -142,7 +142,7 @@ class _NoRandomInit(torch.overrides.TorchFunctionMode):
     device: every parameter is replaced and loaded afterwards.
 
     NOTE: a random fill of a meta tensor runs torch's Python reference, whose first call imports torch._dynamo:
-    about 2 s of every worker's start-up on a CPU, for values nobody reads."""
+    seconds of every worker's start-up, for values nobody reads."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
