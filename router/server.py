@@ -21,7 +21,7 @@ from pdserve.serving.grpc_shell import (
 from pdserve.serving.metrics import Metrics
 from pdserve.common.blocks import block_hashes
 from pdserve.common.trace import mark
-from pdserve.serving.rpc_convert import DEFAULT_MAX_NEW_TOKENS, FINISH_FROM_PROTO, sampling_from_proto, sampling_to_proto
+from pdserve.serving.rpc_convert import DEFAULT_MAX_NEW_TOKENS, FINISH_FROM_PROTO, sampling_from_proto
 from pdserve.common.values import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2 as gen_pb
@@ -29,10 +29,10 @@ from pdserve.v1 import generate_pb2_grpc as gen_grpc
 from pdserve.v1 import worker_pb2 as pb
 
 from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
-from .call_failed import CallFailed, failure_of
+from .call_failed import CallFailed
 from .decode_streams import DecodeStreams
 from .prefill_streams import PrefillStreams
-from .first_token import EarlyFirstToken
+from .relay import Relay, RelayLinks, RelayRequest
 from .warm_pairs import keep_pairs_warm, warm_pairs
 from .workers import Worker, WorkerDown, WorkerPool, pick_decode, pick_prefill
 
@@ -105,6 +105,8 @@ class Router:
         self.decode_streams = DecodeStreams(pool.metadata, pool.seen)  # one DecodeStream call per decode worker
         self.prefill_streams = PrefillStreams(  # one PrefillStream call per prefill one
             pool.metadata, pool.seen, config.keep_warm_ms / 1e3, config.keep_warm_for_s)
+        self.relay_links = RelayLinks(self.prefill_streams, self.decode_streams, pool.metadata, config.stream_interval,
+                                      tokenizer, self.model_info, self._learn_ownership)
         self._uncounted = Metrics.create("router")  # never exported: the router's own requests (relay_uncounted)
         self.warm_task: Optional[asyncio.Task] = None  # keep_pairs_warm, from start_router
 
@@ -289,8 +291,9 @@ class Router:
                     # Workers see one id per attempt, so a retry never collides with the first try's leftovers.
                     internal_id = rid if attempt == 0 else f"{rid}-retry{attempt}"
                     mark("router.routed", internal_id)
-                    async for msg in self._relay(internal_id, prompt_ids, params, prefill, decode, hashes, arrival,
-                                                 deadline):
+                    relay = Relay(self.relay_links, RelayRequest(internal_id, prompt_ids, params, hashes, arrival,
+                                                                 deadline), prefill, decode, m)
+                    async for msg in relay.run():
                         streamed = True
                         msg.request_id = rid
                         if msg.HasField("complete"):
@@ -323,170 +326,11 @@ class Router:
             self._in_flight_ids.discard(request_id)
             m.count(m.requests, outcome=outcome)
 
-    async def _relay(self, rid, ids, params, prefill: Worker, decode: Worker, hashes, arrival, deadline,
-                     metrics: Optional[Metrics] = None):
-        """Prefill and Reserve on the decode worker at once (the prompt is computed while pages are reserved; the
-        reservation then goes to the prefill worker as its Bind; both on the router's open PrefillStream call to that
-        worker, see prefill_streams.py), while this request's feed (see decode_streams)
-        collects everything that can happen to it: the decode worker's updates, a prefill failure, a worker taken
-        out of routing, the deadline. One wake-up per batch of updates; the tokens that queued meanwhile (a client
-        reading slower than the engine steps) go out in one chunk. The first token goes out with the prefill
-        worker's answer, ahead of the decode worker's stream (see first_token.py). `metrics`: where its latencies and
-        token counts go (default the router's own)."""
-        m = metrics or self.metrics
-        sp = sampling_to_proto(params)
-        md = self.pool.metadata
-        feed: asyncio.Queue = asyncio.Queue()
-        # Ends this attempt at once if either worker is taken out of routing (frozen, stalled, gone) meanwhile.
-        down = asyncio.ensure_future(_first_down(prefill, decode))
-        call = prefill_task = deadline_timer = None
-        output_ids: list[int] = []
-        text: list[str] = []
-        logprobs: list[gen_pb.TokenLogprobs] = []
-        # The first token's logprob and the prompt's come from the prefill worker's answer.
-        wants_prefill_logprobs = params.wants_logprobs
-        early = (None if params.wants_logprobs
-                 else EarlyFirstToken(params, ids, self.model_info().eos_token_ids, self.tokenizer))
-        prefill_resp: Optional[pb.PrefillResponse] = None
-        last = None
-        decoding = finished = ended = False
-
-        def watch_down(*workers: Worker) -> None:
-            nonlocal down
-            down.cancel()
-            down = asyncio.ensure_future(_first_down(*workers))
-            down.add_done_callback(lambda d: d.cancelled() or feed.put_nowait(WorkerDown(d.result())))
-
-        def prefill_done(task: asyncio.Future) -> None:
-            if task.cancelled():
-                return
-            error = task.exception()  # (read even when this attempt has ended, so that it counts as retrieved)
-            if ended:  # (a callback scheduled just before this attempt ended)
-                return
-            if error is not None:
-                feed.put_nowait(error)  # decode would only notice at its KV timeout
-            else:  # the prefill worker's part is done: only the decode worker can hold this request up now
-                mark("router.prefill_answer", rid)
-                watch_down(decode)
-                if early is not None:
-                    feed.put_nowait(task.result())  # its first token, for the client at once
-
-        try:
-            _left(deadline)  # (raises if it has passed)
-            prefill_call = self.prefill_streams.to(prefill)
-            # (its destination follows as a Bind)
-            prefill_task, written = prefill_call.prefill_written(pb.PrefillRequest(
-                request_id=rid, input_ids=ids, sampling_params=sp))
-            prefill_task.add_done_callback(prefill_done)
-            # The reservation starts once gRPC has the prompt's message: started at once, its unary call (a 2048-token
-            # ReserveRequest to build and send) ran on this loop before the prompt's write (CPU, demo model, 1536-
-            # token prompts, c=1: router -> prefill worker 1.00-1.06 ms, 0.73-0.78 ms with the Reserve after). It has
-            # the prompt's forward to come back in.
-            await asyncio.wait({written, prefill_task, down}, return_when=asyncio.FIRST_COMPLETED)
-            reserve_call = asyncio.ensure_future(decode.stub.Reserve(
-                pb.ReserveRequest(request_id=rid, input_ids=ids, sampling_params=sp), timeout=_left(deadline),
-                metadata=md))
-            try:
-                await asyncio.wait({reserve_call, down, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not reserve_call.done():
-                    reserve_call.cancel()  # the decode worker releases what it reserved when the call ends
-            if not reserve_call.done():
-                if down.done():
-                    raise WorkerDown(down.result())
-                await prefill_task  # it waits for its Bind: done before the reservation means it failed
-                raise ServiceError(grpc.StatusCode.INTERNAL, "the prefill worker answered before its KV destination")
-            reserve: pb.ReserveResponse = reserve_call.result()  # (its failure ends the attempt, and the Prefill)
-            mark("router.reserved", rid)
-            call = self.decode_streams.attach(decode, rid, feed)
-            prefill_call.bind(pb.BindRequest(request_id=rid, destination=reserve))  # (its failure fails the prompt)
-            watch_down(prefill, decode)
-            if deadline is not None:
-                deadline_timer = asyncio.get_running_loop().call_later(
-                    max(0.0, deadline - time.monotonic()), feed.put_nowait,
-                    ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
-            interval = self.config.stream_interval
-            chunk = gen_pb.GenerateChunk()
-            while True:
-                updates = [await feed.get()]
-                while not feed.empty():
-                    updates.append(feed.get_nowait())
-                done: Optional[pb.DecodeUpdate] = None
-                for update in updates:
-                    if isinstance(update, BaseException):
-                        raise update
-                    if isinstance(update, pb.PrefillResponse):  # unless the decode worker's stream came first
-                        update = early.update_for(update.first_token_id) if not output_ids else None
-                        if update is None:
-                            continue
-                    elif update.HasField("failure"):
-                        raise failure_of(update.failure)
-                    else:
-                        if early is not None:
-                            early.strip(update)
-                        if not decoding:
-                            mark("router.decode_first", rid)
-                            decoding = True
-                            decode.decoding += 1
-                    if wants_prefill_logprobs and prefill_resp is None:
-                        prefill_resp = await prefill_task  # done or about to be: the KV it sent has arrived
-                        chunk.prompt_logprobs.extend(prefill_resp.prompt_logprobs)
-                        if params.logprobs is not None and update.logprobs and not output_ids:
-                            update.logprobs[0].CopyFrom(prefill_resp.first_token_logprobs)
-                    if params.logprobs is not None:
-                        chunk.logprobs.extend(update.logprobs)
-                        logprobs += update.logprobs
-                    chunk.token_ids.extend(update.token_ids)
-                    chunk.text += update.text
-                    output_ids += update.token_ids
-                    text.append(update.text)
-                    if update.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
-                        done = update
-                        break  # nothing comes after a request's last update
-                if done is None and last is not None and len(chunk.token_ids) < interval:
-                    continue  # --stream-interval: after the first token, hold them until enough have come
-                now = time.monotonic()
-                if last is None:
-                    mark("router.first_out", rid)
-                    m.ttft.observe(now - arrival)
-                elif chunk.token_ids:  # tokens that arrived together share their gap
-                    gap = (now - last) / len(chunk.token_ids)
-                    for _ in chunk.token_ids:
-                        m.itl.observe(gap)
-                last = now
-                if chunk.token_ids or chunk.text or chunk.prompt_logprobs:
-                    yield gen_pb.GenerateResponse(request_id=rid, chunk=chunk)
-                chunk = gen_pb.GenerateChunk()
-                if done is not None:
-                    finished = True
-                    resp = await prefill_task
-                    self._learn_ownership(prefill, ids, hashes, resp)
-                    m.e2e.observe(now - arrival)
-                    m.count(m.generated_tokens, len(output_ids))
-                    m.count(m.prompt_tokens, len(ids))
-                    m.count(m.prefix_hit_tokens, resp.cached_tokens)
-                    yield gen_pb.GenerateResponse(request_id=rid, complete=gen_pb.GenerateComplete(
-                        output_ids=output_ids, finish_reason=done.finish_reason, usage=done.usage,
-                        text="".join(text), logprobs=logprobs,
-                        prompt_logprobs=resp.prompt_logprobs if params.prompt_logprobs is not None else []))
-                    return
-        finally:
-            # On any early exit (client cancel, a worker failing) both workers drop the request and free pages.
-            ended = True
-            if deadline_timer is not None:
-                deadline_timer.cancel()
-            if call is not None and not finished:
-                call.cancel(rid)
-            if prefill_task is not None and not prefill_task.done():
-                prefill_task.cancel()
-            down.cancel()
-            if decoding:
-                decode.decoding -= 1
-
     def relay_uncounted(self, rid: str, ids: list[int], params: SamplingParams, prefill: Worker, decode: Worker,
                         deadline: float) -> AsyncIterator[gen_pb.GenerateResponse]:
         """A request of the router's own (warm_pairs.py) through a given pair, kept out of the exported metrics."""
-        return self._relay(rid, ids, params, prefill, decode, [], time.monotonic(), deadline, metrics=self._uncounted)
+        request = RelayRequest(rid, ids, params, [], time.monotonic(), deadline)
+        return Relay(self.relay_links, request, prefill, decode, self._uncounted).run()
 
     def _learn_ownership(self, prefill: Worker, ids: list[int], hashes: Optional[list[bytes]],
                          resp: pb.PrefillResponse) -> None:
@@ -549,27 +393,6 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
         router.warm_task = asyncio.create_task(keep_pairs_warm(router.pool, router.relay_uncounted, vocab_size))
     await start_serving(server)
     return server, port
-
-
-def _left(deadline: Optional[float]) -> Optional[float]:
-    """Seconds left before the client's deadline (None: no deadline), for a worker call's timeout."""
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-    return left
-
-
-async def _first_down(*workers: Worker) -> Worker:
-    """The first of `workers` to be taken out of routing (waits while all are in)."""
-    waits = {asyncio.ensure_future(w.down.wait()): w for w in workers}
-    try:
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in waits:
-            t.cancel()
-    return waits[next(iter(done))]
 
 
 def _is_unicode(text: str) -> bool:
