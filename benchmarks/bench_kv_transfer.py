@@ -1,13 +1,16 @@
-"""KV transfer between two GPUs of one host: pdserve's "nccl" transport against a plain torch.distributed NCCL
-send/recv of the same bytes, measured in the same run, plus the GPU memory an NCCL communicator takes.
+"""KV transfer between two GPUs of one host: pdserve's "nccl" or "cuda_ipc" transport against a peer copy of the same
+bytes and (nccl) a plain torch.distributed NCCL send/recv of them, measured in the same run, plus the GPU memory an
+NCCL communicator takes.
 
 Layout: DeepSeek-V3's latent KV, --layers 61 x --kv-dim 576 bf16 values per token (70.3 KiB a token), rooms of
 --tokens 4096 and 16384 (288 MiB and 1.15 GiB). This process is the prefill side (rows on --prefill-device); it
 starts the decode side (a pool on --decode-device) as a child process of this script.
 
-- ours: begin() -> send_layer() for every layer -> finish() -> wait() for the decode worker's confirmation, rows
-  received straight into the pool's pages; with --page-order contiguous (one run per layer) and shuffled (the
-  reserved pages in random order: one op per page, the worst case of a fragmented pool).
+- ours: begin() -> the rows (--send room: every layer in one send_layers, as a prefill worker hands over a whole
+  prompt; layers: one send_layer per layer, as it streams) -> finish() -> wait() for the decode worker's
+  confirmation, the rows scattered into the pool's pages; with --page-order contiguous (one run of pages) and
+  shuffled (the reserved pages in random order, the worst case of a fragmented pool).
+- peer copy (two GPUs): the same bytes as one contiguous copy GPU to GPU, the link's ceiling.
 - plain: the same bytes, one dist.send/dist.recv per layer into a contiguous buffer over a process group made by
   init_process_group; the floor our per-run ops and control messages are compared with.
 - memory: torch.cuda.mem_get_info before and after each communicator is created (NCCL allocates outside torch's
@@ -29,6 +32,7 @@ of what the writer thread queues; "ours (device) / copy" compares it with the de
         --out /tmp/kv_ipc.json --compare-tcp      # bash benchmarks/gpu.sh kv-ipc
 
     python benchmarks/bench_kv_transfer.py --out /tmp/kv_transfer.json    # bash benchmarks/gpu.sh kv, on two GPUs
+    python benchmarks/bench_kv_transfer.py --backend cuda_ipc --decode-device cuda:1 --out /tmp/kv_ipc2.json  # (kv)
     python benchmarks/bench_kv_transfer.py --backend gloo --prefill-device cpu --decode-device cpu --layers 4 \\
         --tokens 256 --iters 2 --out /tmp/kv_transfer_cpu.json    # a dry run of the script on the CPU (Gloo)
 """
@@ -70,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--page-order", nargs="+", default=["contiguous", "shuffled"], choices=["contiguous", "shuffled"])
+    p.add_argument("--send", nargs="+", default=["room", "layers"], choices=["room", "layers"],
+                   help="room: every layer in one send_layers (as the prefill worker hands over a whole prompt); "
+                        "layers: one send_layer per layer (as it streams layer by layer)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--role", default="prefill", choices=["prefill", "decode"], help=argparse.SUPPRESS)
@@ -184,7 +191,7 @@ class Child:
 
 
 def run_ours(args, child: Child, sender, rows: torch.Tensor, tokens: int, order: str, first_room: int,
-             layers: int | None = None) -> dict:
+             layers: int | None = None, send: str = "layers") -> dict:
     need = -(-tokens // args.page_size)
     pages = list(range(need))
     if order == "shuffled":
@@ -198,14 +205,31 @@ def run_ours(args, child: Child, sender, rows: torch.Tensor, tokens: int, order:
         sync(rows.device)
         t0 = time.perf_counter()
         h = sender.begin(child.endpoint, room, layers, dst_pages=pages)
-        for layer in range(layers):
-            h.send_layer(layer, rows[layer, :tokens])
+        if send == "room":
+            h.send_layers(0, rows[:layers, :tokens])
+        else:
+            for layer in range(layers):
+                h.send_layer(layer, rows[layer, :tokens])
         h.finish(aux)
         h.wait(timeout=600)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    runs = len({p - i for i, p in enumerate(pages)}) if order == "contiguous" else need
-    return {"seconds": statistics.median(times), "ops_per_layer": runs, "all_seconds": times}
+    return {"seconds": statistics.median(times), "send": send, "all_seconds": times}
+
+
+def run_peer_copy(args, rows: torch.Tensor, tokens: int, dst_device: torch.device) -> dict:
+    """The same bytes as one contiguous copy from the rows' GPU into a buffer on `dst_device`: the link's ceiling."""
+    src = rows[:, :tokens].contiguous()  # (layers, tokens, kv_dim)
+    dst = torch.empty_like(src, device=dst_device)
+    times = []
+    for i in range(args.warmup + args.iters):
+        sync(src.device), sync(dst_device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(src.device), sync(dst_device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(times), "all_seconds": times}
 
 
 def run_plain(args, child: Child, rows: torch.Tensor, tokens: int) -> dict:
@@ -249,41 +273,57 @@ def prefill_main(args) -> None:
         # The first room builds the pair (its communicator): one token, so nothing else shows in the memory delta.
         connect = {**vars(args), "tokens": [1], "warmup": 0, "iters": 1}
         run_ours(argparse.Namespace(**connect), child, sender, rows, 1, "contiguous", 1)
-        pair = next(iter(sender._conns.values())).pair
+        conn = next(iter(sender._conns.values()))
+        result["transport"] = conn.transport  # what the pairing chose (auto / cuda_ipc: cuda_ipc or tcp)
         stats = json.loads(child.send("stats", answer="stats").split(maxsplit=1)[1])
         result["memory"] = {"prefill_ours_mem_get_info_bytes": before - free_bytes(device),
-                            "prefill_ours_pair_bytes": pair.comm_bytes,
+                            "prefill_ours_pair_bytes": getattr(getattr(conn, "pair", None), "comm_bytes", 0),
                             "decode_ours_pair_bytes": stats["pair_comm_bytes"],
                             "decode_ours_mem_get_info_bytes": stats["mem_get_info_bytes"]}
-        room = 2
-        for order in args.page_order:
+        decode_device = torch.device(args.decode_device)
+        peer = {}
+        if device.type == "cuda" and decode_device != device:
             for tokens in args.tokens:
-                case = {"tokens": tokens, "page_order": order, "bytes": tokens * result["bytes_per_token"]}
-                case["ours"] = run_ours(args, child, sender, rows, tokens, order, room)
-                room += args.warmup + args.iters
-                case["ours"]["GB_per_s"] = case["bytes"] / case["ours"]["seconds"] / 1e9
-                result["cases"].append(case)
-                print(f"ours  {order:10s} {tokens:6d} tokens {case['bytes'] / 2**20:8.1f} MiB "
-                      f"{case['ours']['seconds'] * 1e3:8.2f} ms {case['ours']['GB_per_s']:7.2f} GB/s "
-                      f"({case['ours']['ops_per_layer']} ops a layer)", flush=True)
-        child.send("plain-init", answer=None)
-        result["memory"]["prefill_plain_bytes"] = plain_group(args, 1, device)
-        result["memory"]["decode_plain_bytes"] = int(child.expect_line("plain-bytes").split()[1])
-        for case in result["cases"]:
-            if case["page_order"] == args.page_order[0]:
-                plain = run_plain(args, child, rows, case["tokens"])
-                plain["GB_per_s"] = case["bytes"] / plain["seconds"] / 1e9
-                print(f"plain {'':10s} {case['tokens']:6d} tokens {plain['seconds'] * 1e3:28.2f} ms "
+                peer[tokens] = run_peer_copy(args, rows, tokens, decode_device)
+                peer[tokens]["GB_per_s"] = tokens * result["bytes_per_token"] / peer[tokens]["seconds"] / 1e9
+                print(f"peer copy {device} -> {decode_device} {tokens:6d} tokens {peer[tokens]['seconds'] * 1e3:8.2f} "
+                      f"ms {peer[tokens]['GB_per_s']:7.2f} GB/s", flush=True)
+        room = 2
+        for send in args.send:
+            for order in args.page_order:
+                for tokens in args.tokens:
+                    case = {"tokens": tokens, "page_order": order, "send": send,
+                            "bytes": tokens * result["bytes_per_token"]}
+                    case["ours"] = run_ours(args, child, sender, rows, tokens, order, room, send=send)
+                    room += args.warmup + args.iters
+                    case["ours"]["GB_per_s"] = case["bytes"] / case["ours"]["seconds"] / 1e9
+                    if tokens in peer:
+                        case["peer_copy"] = peer[tokens]
+                        case["ours_over_peer_copy"] = case["ours"]["GB_per_s"] / peer[tokens]["GB_per_s"]
+                    result["cases"].append(case)
+                    print(f"ours {args.backend} ({result['transport']}) send={send:6s} {order:10s} {tokens:6d} tokens "
+                          f"{case['bytes'] / 2**20:8.1f} MiB {case['ours']['seconds'] * 1e3:8.2f} ms "
+                          f"{case['ours']['GB_per_s']:7.2f} GB/s"
+                          + (f" = {case['ours_over_peer_copy']:.2f} of a peer copy" if tokens in peer else ""),
+                          flush=True)
+        if args.backend in ("nccl", "gloo"):  # the same bytes over a plain torch.distributed group
+            child.send("plain-init", answer=None)
+            result["memory"]["prefill_plain_bytes"] = plain_group(args, 1, device)
+            result["memory"]["decode_plain_bytes"] = int(child.expect_line("plain-bytes").split()[1])
+            for tokens in args.tokens:
+                plain = run_plain(args, child, rows, tokens)
+                plain["GB_per_s"] = tokens * result["bytes_per_token"] / plain["seconds"] / 1e9
+                print(f"plain {'':10s} {tokens:6d} tokens {plain['seconds'] * 1e3:28.2f} ms "
                       f"{plain['GB_per_s']:7.2f} GB/s", flush=True)
                 for c in result["cases"]:
-                    if c["tokens"] == case["tokens"]:
+                    if c["tokens"] == tokens:
                         c["plain"] = plain
                         c["ours_over_plain"] = c["ours"]["GB_per_s"] / plain["GB_per_s"]
-        mem = result["memory"]
-        print(f"communicator memory, prefill / decode GPU: ours {mem['prefill_ours_mem_get_info_bytes'] / 2**20:.1f}"
-              f" / {mem['decode_ours_mem_get_info_bytes'] / 2**20:.1f} MiB (measured inside the pair: "
-              f"{mem['prefill_ours_pair_bytes'] / 2**20:.1f} / {[b / 2**20 for b in mem['decode_ours_pair_bytes']]}"
-              f" MiB); plain {mem['prefill_plain_bytes'] / 2**20:.1f} / {mem['decode_plain_bytes'] / 2**20:.1f} MiB")
+            mem = result["memory"]
+            print(f"communicator memory, prefill / decode GPU: ours {mem['prefill_ours_mem_get_info_bytes'] / 2**20:.1f}"
+                  f" / {mem['decode_ours_mem_get_info_bytes'] / 2**20:.1f} MiB (measured inside the pair: "
+                  f"{mem['prefill_ours_pair_bytes'] / 2**20:.1f} / {[b / 2**20 for b in mem['decode_ours_pair_bytes']]}"
+                  f" MiB); plain {mem['prefill_plain_bytes'] / 2**20:.1f} / {mem['decode_plain_bytes'] / 2**20:.1f} MiB")
         child.send("quit", answer=None)
         sender.close()
     finally:
@@ -412,7 +452,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.role == "decode":
         decode_main(args)
-    elif args.backend in ("cuda_ipc", "tcp"):
+    elif args.backend in ("cuda_ipc", "tcp") and args.decode_device == args.prefill_device:
         same_gpu_main(args)
     else:
         prefill_main(args)

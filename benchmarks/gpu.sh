@@ -33,7 +33,9 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   prefill-workers  the demo model through `pdserve up` with one and with two prefill workers beside the decode worker
              on the one GPU, alternating (1, 2, 1, 2): bench_serving.py at concurrency 32 and 128 and prompts only,
              the engine alone after each stack (~3 min)
-  kv         two GPUs: the NCCL KV-transfer tests and bench_kv_transfer.py (on one GPU it says so and exits 0)
+  kv         two GPUs: the two-GPU tests (the engine on the last GPU, prefill on GPU 0 and decode on GPU 1 over each
+             transport, the NCCL transport's own) and bench_kv_transfer.py GPU 0 -> GPU 1 for cuda_ipc and nccl
+             against a peer copy (on one GPU it says so and exits 0) (~8 min)
   overlap    overlap scheduling on and off through the product: bench_serving.py on the demo model at concurrency 1
              and 32, once as shipped and once with --disable-overlap-schedule on both sides (~3 min)
   ttft       where a prompt's time goes: the prefill step in one process (engine, + hooks, the worker's own) with
@@ -269,11 +271,14 @@ suite_ttft() {  # prefill_stages.json, up.log, bench_c<C>.json, prefill_c<C>.raw
   kill -INT "$up"; wait "$up"
 }
 
-suite_kv() {
+suite_kv() {  # two GPUs: kv.log, kv_nccl.json, kv_cuda_ipc.json
   local d=$1
   shift
-  step 300 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_kv_nccl.py
-  step 280 python3 benchmarks/bench_kv_transfer.py --out "$d/kv_transfer.json" "$@"
+  step 420 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_two_gpus.py tests/test_gpu_kv_nccl.py
+  # A 61-layer room of DeepSeek-V3 latent KV, GPU 0 -> GPU 1, 4k and 16k tokens, contiguous and shuffled pages, the
+  # whole room in one send_layers and layer by layer, against a peer copy of the same bytes in the same run.
+  step 200 python3 benchmarks/bench_kv_transfer.py --backend cuda_ipc --out "$d/kv_cuda_ipc.json" --iters 6 "$@"
+  step 240 python3 benchmarks/bench_kv_transfer.py --backend nccl --out "$d/kv_nccl.json" --iters 6 "$@"
 }
 
 suite_profile() {  # profile.log, bench_c<C>.json, decode[_engine]_c<C>.raw, router_c<C>.raw (py-spy, raw stacks)
