@@ -13,8 +13,8 @@ For each --gaps value (seconds the client sleeps before each message), --calls m
 server stamps its receipt with CLOCK_MONOTONIC, one clock for the host's processes) and round trip.
 
 --keep-warm-ms X: meanwhile the client sends a 1-byte message every X ms on another stream of the same channel, which
-the server reads and never answers (what the router's keep-warm does on a prefill worker's open call while it is idle,
-router/prefill_streams.py): whether the idle gaps' extra cost goes with it.
+the server reads and never answers (what a router could send on an idle prefill worker's open call): whether the idle
+gaps' extra cost goes with it.
 
     python benchmarks/grpc_hop.py [--gaps 0.002 0.04 0.11] [--calls 60] [--keep-warm-ms 4] [--json FILE]
 """

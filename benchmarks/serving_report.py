@@ -287,8 +287,7 @@ def ttft_why(row: dict, hops: list[dict]) -> str:
         cost = [low["four_hops_ms"]] if low is high else [low["four_hops_ms"], high["four_hops_ms"]]
         idle = (f"every process idle {low['idle_ms']:.0f} ms" if low is high else
                 f"every process idle {low['idle_ms']:.0f} to {high['idle_ms']:.0f} ms; at c=1 the client and the "
-                "router are busy with the decode between two prompts, the prefill worker idle but for the router's "
-                "keep-warm messages, --keep-warm-ms)")
+                "router are busy with the decode between two prompts, the prefill worker idle)")
         why += (f". On this host the first token's four hops in a row (the client's new call, three messages on open "
                 f"streams) cost {'-'.join(f'{v:.2f}' for v in cost)} ms of bare gRPC before any work ({idle}), "
                 f"{'-'.join(f'{v / allowed:.0%}' for v in cost)} of the allowance")

@@ -2,27 +2,14 @@
 request of this router that prefills there. A prompt, its destination (the Bind) and its cancel go out as messages
 on the open call; its answer comes back as a message (prefill_service/prompt_calls.py has the worker's end and why).
 
-A prompt's answer is an asyncio future: its PrefillResponse, or a CallFailed with the status a Prefill call would
-have ended with (UNAVAILABLE for every prompt on a call that broke). Cancelling the future cancels the prompt on the
-worker.
-
-Keep-warm: a process whose gRPC carried nothing for a while takes twice as long to take in the next message. Bare
-grpc.aio between two processes, one message on an open stream after 110 ms quiet: 0.57-0.65 ms on an H200 host,
-0.33-0.35 ms with a 1-byte message every 4 ms on another stream of the channel (0.31-0.37 after 2 ms quiet;
-`benchmarks/grpc_hop.py --keep-warm-ms 4`). The CPU machine shows the same; there an asyncio loop that merely wakes
-every millisecond did not help: what goes cold is gRPC's own threads. At concurrency 1 the prefill worker sits idle
-through each request's decode, so every prompt paid it. While no prompt of this call is in flight, and for
-`keep_warm_for_s` after the last one, the call carries an empty message whenever it was quiet for `keep_warm_s` (a
-prompt in flight is never interrupted: that worker's engine is computing it and a message would only take its engine
-thread's GIL). 0 turns it off.
+A prompt's answer is an asyncio future: its PrefillResponse, or a CallFailed with the status the worker failed it
+with (UNAVAILABLE for every prompt on a call that broke). Cancelling the future cancels the prompt on the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import time
 from typing import AsyncIterator, Callable, Optional
 
 from pdserve.v1 import worker_pb2 as pb
@@ -40,15 +27,10 @@ class PrefillCall(OpenCall):
     kind = "PrefillStream"
 
     def __init__(self, worker: Worker, metadata, seen: Callable[[Worker], None],
-                 on_closed: Callable[[OpenCall], None], keep_warm_s: float = 0.0, keep_warm_for_s: float = 0.0):
+                 on_closed: Callable[[OpenCall], None]):
         self.waiting: dict[str, asyncio.Future] = {}
         self.ended: Optional[CallFailed] = None  # how the call ended, once it has
-        self.keep_warm_s, self.keep_warm_for_s = keep_warm_s, keep_warm_for_s
-        self._last_prompt = self._last_message = time.monotonic()
-        self._prompted = asyncio.Event()  # a prompt came: the keep-warm window opens
-        self.num_keep_warm = 0  # empty messages sent
         super().__init__(worker, metadata, seen, on_closed)
-        self._warm = asyncio.ensure_future(self._keep_warm()) if keep_warm_s > 0 else None
 
     def open(self, worker: Worker, commands: AsyncIterator, metadata):
         return worker.stub.PrefillStream(commands, metadata=metadata)
@@ -68,10 +50,7 @@ class PrefillCall(OpenCall):
             return answer, loop.create_future()
         self.waiting[rid] = answer
         answer.add_done_callback(lambda a: a.cancelled() and self._cancel(rid, a))
-        written = self.send(pb.PrefillStreamRequest(prefill=[request]))
-        self._last_prompt = self._last_message = time.monotonic()
-        self._prompted.set()
-        return answer, written
+        return answer, self.send(pb.PrefillStreamRequest(prefill=[request]))
 
     def bind(self, request: pb.BindRequest) -> None:
         """The destination of a prompt sent without one; dropped with the call (its prompt has failed then)."""
@@ -84,7 +63,6 @@ class PrefillCall(OpenCall):
             self.send(pb.PrefillStreamRequest(cancel=[rid]))
 
     def receive(self, msg: pb.PrefillStreamResponse) -> None:
-        self._last_message = time.monotonic()
         for a in msg.answers:
             answer = self.waiting.pop(a.request_id, None)
             if answer is None or answer.done():
@@ -94,26 +72,8 @@ class PrefillCall(OpenCall):
             else:
                 answer.set_exception(failure_of(a.failure))
 
-    async def _keep_warm(self) -> None:
-        while self.ended is None:
-            now = time.monotonic()
-            if now - self._last_prompt > self.keep_warm_for_s:  # quiet for long: no messages until a prompt comes
-                self._prompted.clear()
-                await self._prompted.wait()
-                continue
-            due = self._last_message + self.keep_warm_s
-            if due > now:
-                await asyncio.sleep(due - now)
-                continue
-            if not self.waiting:
-                self.send(pb.PrefillStreamRequest())
-                self.num_keep_warm += 1
-            self._last_message = now  # (a prompt in flight: look again an interval later)
-
     def fail_all(self, error: CallFailed) -> None:
         self.ended = error
-        if self._warm is not None:
-            self._warm.cancel()
         waiting, self.waiting = self.waiting, {}
         for answer in waiting.values():
             if not answer.done():
@@ -125,12 +85,10 @@ class PrefillCall(OpenCall):
 
 class PrefillStreams(OpenCalls[PrefillCall]):
     """The router's PrefillStream calls by prefill worker address; a call is opened at the first prompt and again
-    after one breaks. keep_warm_s, keep_warm_for_s: see the module's docstring."""
+    after one breaks."""
 
-    def __init__(self, metadata, seen: Callable[[Worker], None], keep_warm_s: float = 0.0,
-                 keep_warm_for_s: float = 0.0):
-        super().__init__(functools.partial(PrefillCall, keep_warm_s=keep_warm_s, keep_warm_for_s=keep_warm_for_s),
-                         metadata, seen)
+    def __init__(self, metadata, seen: Callable[[Worker], None]):
+        super().__init__(PrefillCall, metadata, seen)
 
 
 __all__ = ["PrefillCall", "PrefillStreams"]

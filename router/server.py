@@ -64,11 +64,6 @@ class RouterConfig:
     # message may carry fewer): fewer, larger messages for the router and its clients at high concurrency, like
     # SGLang's --stream-interval. 1: each batch of tokens as it arrives (several when the router runs behind).
     stream_interval: int = 1
-    # An empty message on a prefill worker's open call whenever it was quiet this long, while none of its prompts is
-    # in flight and for keep_warm_for_s after the last one: its gRPC takes a prompt in twice as fast as after a
-    # longer quiet (router/prefill_streams.py). 0: off.
-    keep_warm_ms: float = 4.0
-    keep_warm_for_s: float = 2.0
     # Send one request of the router's own through each prefill/decode pair before serving, and through each new pair
     # as it appears (router/warm_pairs.py): no client request pays for a pair's KV connection.
     warm_pairs: bool = True
@@ -82,9 +77,6 @@ class RouterConfig:
             raise ValueError(f"--tokenize-threads must be >= 1, got {self.tokenize_threads}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
-        if not (self.keep_warm_ms >= 0 and self.keep_warm_for_s >= 0):
-            raise ValueError(f"--keep-warm-ms and its window must be >= 0, got {self.keep_warm_ms} and "
-                             f"{self.keep_warm_for_s}")
 
 
 class Router:
@@ -103,8 +95,7 @@ class Router:
         self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="router-tokenize")
         self._tokenize_slots = asyncio.Semaphore(config.tokenize_threads)
         self.decode_streams = DecodeStreams(pool.metadata, pool.seen)  # one DecodeStream call per decode worker
-        self.prefill_streams = PrefillStreams(  # one PrefillStream call per prefill one
-            pool.metadata, pool.seen, config.keep_warm_ms / 1e3, config.keep_warm_for_s)
+        self.prefill_streams = PrefillStreams(pool.metadata, pool.seen)  # one PrefillStream call per prefill one
         self.relay_links = RelayLinks(self.prefill_streams, self.decode_streams, pool.metadata, config.stream_interval,
                                       tokenizer, self.model_info, self._learn_ownership)
         self._uncounted = Metrics.create("router")  # never exported: the router's own requests (relay_uncounted)

@@ -102,7 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "the workers share one GPU (--device cuda, any transport but nccl), else 1 (no limit)")
     serve.add_engine_process_arg(ug, "--decode-engine-process")
     serve.add_stream_interval_arg(ug)
-    serve.add_keep_warm_arg(ug)
     serve.add_warmup_args(ug)
     up.set_defaults(func=up_command.cmd_up)
 

@@ -352,7 +352,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--tokenize-threads", type=int, default=2, metavar="N",
                      help="long text prompts tokenized at once, off the event loop (default 2)")
     add_stream_interval_arg(lim)
-    add_keep_warm_arg(lim)
     add_reliability_args(p, internal_server=False).add_argument(
         "--api-key", action="append", default=[], metavar="KEY",
         help="require 'authorization: Bearer KEY' from clients (repeatable: any of the keys)")
@@ -363,15 +362,6 @@ def add_stream_interval_arg(group) -> None:
                        help="after a request's first token (sent at once), stream its tokens N at a time (the last "
                             "message may hold fewer): fewer, larger messages for the router and clients at high "
                             "concurrency (default 1: every engine step's tokens as they come)")
-
-
-def add_keep_warm_arg(group) -> None:
-    # (RouterConfig.keep_warm_ms's default: router.server is not imported to build the parser, --help stays light)
-    group.add_argument("--keep-warm-ms", type=float, default=4.0, metavar="MS",
-                       help="while a prefill worker has none of this router's prompts, and for 2 s after the last "
-                            "one, send it an empty message on its open call whenever the call was quiet this long: "
-                            "gRPC takes the next prompt in about twice as fast as after a longer quiet (0: off; "
-                            "default %(default)g)")
 
 
 async def run_router(args: argparse.Namespace, on_ready=None) -> None:
@@ -431,7 +421,6 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
                           max_request_bytes=getattr(args, "max_request_bytes", 16 << 20),
                           tokenize_threads=getattr(args, "tokenize_threads", 2),
                           stream_interval=getattr(args, "stream_interval", 1),
-                          keep_warm_ms=getattr(args, "keep_warm_ms", RouterConfig.keep_warm_ms),
                           warm_pairs=not getattr(args, "skip_warmup", False))
     router = Router(config, pool, ownership, metrics, tokenizer)
     mport = _serve_metrics(metrics, args.metrics_port, args.host)

@@ -273,7 +273,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_args = argparse.Namespace(
             host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
             balance_threshold=args.balance_threshold, metrics_port=None if args.no_metrics else args.metrics_port,
-            stream_interval=args.stream_interval, keep_warm_ms=args.keep_warm_ms,
+            stream_interval=args.stream_interval,
             skip_warmup=getattr(args, "skip_warmup", False),
             http_port=None if args.no_http else args.http_port,
             prefill=[n.split(":", 1)[1] for n, _ in procs if n.startswith("prefill")],
