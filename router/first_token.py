@@ -1,15 +1,14 @@
 """A request's first token, sent to its client as soon as the prefill worker answers.
 
-The prefill worker answers Prefill once it sampled the first token and handed the KV to the transport. The decode
+The prefill worker answers a prompt once it sampled the first token and handed the KV to the transport. The decode
 worker's stream starts with that same token, but only after the KV arrived, its engine thread admitted the request
-and its event loop sent the update: on an H200 (V3 slice, 2048-token prompts, c=1) 5.3 ms from the sampling to the
-client, of which the prefill worker's answer through the router needs only about half. So the router sends the token
-itself, with its text made here by the engine's own stop check (`StopChecker`: same detokenizer, same stop strings,
-same EOS), and takes that token and text off the front of the decode worker's first update.
+and its event loop sent the update; the prefill worker's answer reaches the router sooner. So the router sends the
+token itself, with its text made here by the engine's own stop check (`StopChecker`: same detokenizer, same stop
+strings, same EOS), and takes that token and text off the front of the decode worker's first update.
 
 Not done (the decode worker's stream then brings the first token, as before): when the first token already ends the
 request (EOS, a stop token or string, max_new_tokens 1: the decode worker reports the finish with its usage), and
-for requests with logprobs (the first token's come in the Prefill answer, the rest from the decode worker).
+for requests with logprobs (the first token's come in the prefill worker's answer, the rest from the decode worker).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Every prefill/decode pair's KV path, warmed by one short request before real ones need it.
 
 A pair's first request pays for its KV connection: the transport's handshake and, with cuda_ipc, the mapping of the
-decode worker's pool into the prefill process (on an H200 with the V3 slice about 130 ms added to that request's
-transfer, so its second token came that much late). Workers cannot pay it in their own warm-up: neither knows the
-other until the router pairs them. So the router sends one internal request (two prompt tokens, two new tokens, so
-the decode worker also admits and steps it) through each pair it knows before it serves, and through each new pair
-(a worker started or restarted later) as it appears. Not counted in the router's metrics (the workers count it). A
-pair whose warm-up fails is logged and left to pay at its first real request; it is not retried.
+decode worker's pool into the prefill process, all added to that request's transfer (its second token comes that
+much later). Workers cannot pay it in their own warm-up: neither knows the other until the router pairs them. So the
+router sends one internal request (two prompt tokens, two new tokens, so the decode worker also admits and steps it)
+through each pair it knows before it serves, and through each new pair (a worker started or restarted later) as it
+appears. Not counted in the router's metrics (the workers count it). A pair whose warm-up fails is logged and left
+to pay at its first real request; it is not retried.
 """
 
 from __future__ import annotations

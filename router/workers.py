@@ -26,12 +26,13 @@ ROLE_STUBS = {"prefill": pb_grpc.PrefillWorkerStub, "decode": pb_grpc.DecodeWork
 class HealthConfig:
     """When the router takes a worker out of routing, and how long a request waits for one to be back.
 
-    A worker is out at once when a check is refused (connection refused, draining, wrong token): its streams end
-    by themselves if it is dead, and finish if it drains. It is out after `misses` consecutive checks that took
-    longer than `check_timeout_s` (one slow check is not enough), or, for a decode worker, when requests of ours
-    are decoding on it and none has received anything for `progress_s`; then its requests in flight end at once
-    with UNAVAILABLE (retried elsewhere when no token was sent yet). It rejoins at its next answered check. A request that finds no healthy worker of a role waits up to `wait_for_worker_s`
-    (within its deadline) for one before UNAVAILABLE."""
+    A worker is out at once when a check is refused (connection refused, draining, wrong token): its streams end by
+    themselves if it is dead, and finish if it drains. It is out after `misses` consecutive checks that took longer
+    than `check_timeout_s` (one slow check is not enough), or, for a decode worker, when requests of ours are
+    decoding on it and none has received anything for `progress_s`; then its requests in flight end at once with
+    UNAVAILABLE (retried elsewhere when no token was sent yet). It rejoins at its next answered check. A request
+    that finds no healthy worker of a role waits up to `wait_for_worker_s` (within its deadline) for one before
+    UNAVAILABLE."""
 
     interval_s: float = 1.0  # between checks (GetLoad, which runs on the worker's engine thread)
     check_timeout_s: float = 1.0
