@@ -186,7 +186,9 @@ class DecodeGraphRunner:
                 with _planning(g.plan, capturing=False):
                     self._forward(g, batch)
         torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(g.graph, pool=self.mempool), _planning(g.plan, capturing=True):
+        # NOTE: captured on a stream of the engine's device: torch.cuda.graph's default capture stream is made once
+        # per process, on whichever device was current then, so a second engine on another GPU would capture there.
+        with torch.cuda.graph(g.graph, pool=self.mempool, stream=stream), _planning(g.plan, capturing=True):
             g.hidden, g.logits = self._forward(g, batch)
         if self.chain_steps and bs in self.chain_batch_sizes:
             g.chain_plan = attention.graph_plan(bs, self.max_pages)
@@ -195,7 +197,8 @@ class DecodeGraphRunner:
                 self._chain(g)
             torch.cuda.current_stream().wait_stream(stream)
             g.chain = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.chain, pool=self.mempool), _planning(g.chain_plan, capturing=True):
+            with torch.cuda.graph(g.chain, pool=self.mempool, stream=stream), _planning(g.chain_plan,
+                                                                                      capturing=True):
                 g.chain_tokens = self._chain(g)
         return g
 
