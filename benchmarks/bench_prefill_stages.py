@@ -132,8 +132,9 @@ def main(argv=None) -> int:
     ids = iter(range(10**9))
 
     def submit_worker(prompt):
-        pages = list(range(-(-len(prompt) // engine.pool.page_size)))  # the decode side's pages: never written
-        worker.add(PrefillJob(f"w{next(ids)}", prompt, greedy, pages, ships_mtp=False), GatherOnly())
+        rid = f"w{next(ids)}"
+        worker.add(PrefillJob(rid, prompt, greedy))
+        worker.bind(rid, GatherOnly(), ships_mtp=False)
 
     def submit_engine(prompt):
         engine.add_request(prompt, greedy, f"e{next(ids)}", detokenize=False)

@@ -4,25 +4,39 @@ streams the latent KV of every layer to the decode worker that reserved pages fo
 It runs the single-process engine's own step (`LLMEngine.step`) and plugs into it through `StepHooks`: every prompt
 is a request that ends after its first token, and the hooks ship its KV and its aux record.
 
-Layer-wise streaming: when a step holds a prompt's final chunk, each layer's KV rows for the whole prompt are
-handed to the sender as soon as that layer's forward has written them, so the transfer overlaps the remaining
-layers (`layerwise=False` sends them all after the forward instead, to compare). Transports whose copy is a GPU copy
-of microseconds (cuda_ipc: `SendHandle.streams_layers` False) take every layer of the prompt in one `send_layers`
-after the forward instead: one gather and one announcement per prompt, not per layer. The NextN/MTP layer's KV
-follows once the first token is known (its last position needs that token).
+A request's life here: one `PrefillRecord` each (`PrefillEngine.records`), whose `Phase` only the engine thread
+moves, each move one method of the engine (`_computing`, `_park`, `_send`, `_end`):
 
-A job may come without its destination (`add(job, None)`): the router reserves pages on the decode worker while the
-prompt is computed, and `bind` brings the destination later, from any thread. The engine thread takes binds up between
-steps and between the layers of a step (a streaming handle then gets the layers already computed at once); a prompt
-computed before its bind is parked: its pages stay held and its aux record kept until the bind ships them.
+    add ─> QUEUED ─scheduled─> COMPUTING ─first token─> COMPUTED ─bind─> SENDING ─transfer ended─> DONE
+                                   │      (no destination yet)          ^
+                                   └──── first token, bound ────────────┘
+    abort, or its transfer failing ─> FAILED, from any phase (DONE and FAILED leave `records`)
+
+QUEUED     in the scheduler's waiting queue. A bind only sets its destination.
+COMPUTING  its chunks run. The router reserves pages on the decode worker while the prompt computes, so its
+           destination (`bind`, from any thread) usually comes now, and for a long prompt in the middle of its final
+           forward: the engine thread therefore takes binds up between the layers of a forward as well as between
+           steps, and a prompt bound there streams the layers written so far at once and each further one as its
+           forward writes it (taken only between steps, every layer would wait for the forward's end). A COMPUTED
+           prompt bound there ships after the step.
+           Bound prompts stream layer by layer (`layerwise`), except to transports whose copy is a GPU copy of
+           microseconds (cuda_ipc: `SendHandle.streams_layers` False), which take every layer of the prompt in one
+           `send_layers` after the forward: one gather and one announcement per prompt, not per layer. The NextN/MTP
+           layer's KV follows once the first token is known (its last position needs that token).
+COMPUTED   its first token came before its destination: its pages stay held (a reference) and its aux record kept
+           until the bind ships them.
+SENDING    its KV and aux record are the transport's; `poll_transfers` (between steps, and while idle) reads how the
+           transfer ended. Its answer (`PrefillResult`) went out already: at its sampling (`on_first_tokens`) or at
+           the end of the step that sent it.
 """
 
 from __future__ import annotations
 
+import enum
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -31,7 +45,7 @@ from pdserve.common.trace import mark
 from pdserve.common.values import TokenLogprob
 from pdserve.engine import LLMEngine, StepHooks
 from pdserve.kv_cache import token_slots
-from pdserve.kv_transfer import KVSender, SendHandle
+from pdserve.kv_transfer import KVSender, KVTransferError, SendHandle, TransferState, TransferStats
 from pdserve.request import Request
 from pdserve.sampling import SamplingParams
 from pdserve.serving.grpc_shell import exhausted
@@ -41,35 +55,61 @@ from pdserve.serving.grpc_shell import exhausted
 MTP_KV_NOT_COMPUTED = ("the decode worker speculates and needs the NextN/MTP layer's KV, which this prefill worker "
                        "does not compute: start it with the decode worker's --speculative-algorithm")
 
+# How long the engine thread waits for a transfer's outcome once its handle says it ended (only for the transport's
+# threads to finish recording it).
+ENDED_WAIT_S = 1.0
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    COMPUTING = "computing"
+    COMPUTED = "computed"  # waiting for its destination
+    SENDING = "sending"
+    DONE = "done"
+    FAILED = "failed"
+
 
 @dataclass
 class PrefillJob:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    dst_pages: list[int]  # the decode worker's reserved pages (the prompt must fit them); [] until bound
     arrival_time: float = field(default_factory=time.monotonic)
-    ships_mtp: bool = True  # send the NextN/MTP layer's KV too (False: the decode worker does not speculate)
+    answer: Any = None  # where the worker sends its PrefillResult (opaque here: the worker's, read on its thread)
 
 
 @dataclass
 class PrefillResult:
+    """A prompt's answer: its first token, sampled."""
     request_id: str
     first_token_id: int
     cached_tokens: int
-    handle: SendHandle  # wait() for the transfer's completion off the engine thread
     ttft_s: float
     first_token_logprob: Optional[TokenLogprob] = None  # with params.logprobs
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # with params.prompt_logprobs (first: None)
 
 
-@dataclass
-class _Parked:
-    """A prompt computed before its destination was known: its pages held (a reference), its aux record kept."""
-    pages: list[int]
-    slots: torch.Tensor  # (prompt tokens,) on the pool's device
-    aux: dict
-    result: Optional[PrefillResult] = None  # set at the end of the step that computed it
+@dataclass(eq=False)
+class PrefillRecord:
+    """One request's state in this tier (engine thread only)."""
+    job: PrefillJob
+    phase: Phase = Phase.QUEUED
+    handle: Optional[SendHandle] = None  # its destination's room, once bound
+    ships_mtp: bool = False  # the destination wants the NextN/MTP layer's KV too (its decode worker speculates)
+    layers_sent: int = 0  # main layers handed to the handle while COMPUTING
+    slots: Optional[torch.Tensor] = None  # (prompt tokens,) on the pool's device, from its final step until it sends
+    pages: list[int] = field(default_factory=list)  # COMPUTED: the pages it holds a reference to
+    aux: Optional[dict] = None  # COMPUTED: the aux record its bind ships
+    result: Optional[PrefillResult] = None  # COMPUTED: its answer, returned when its bind ships it
+    answered: bool = False  # its answer went out at its sampling (on_first_tokens)
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+
+# How a transfer ended: the transport's stats, or its error.
+TransferEnd = Union[TransferStats, KVTransferError]
 
 
 class PrefillEngine(StepHooks):
@@ -78,11 +118,11 @@ class PrefillEngine(StepHooks):
     def __init__(self, core: LLMEngine, sender: KVSender,
                  on_blocks: Optional[Callable[[list[bytes]], None]] = None, max_queued: int = 256,
                  layerwise: bool = True,
-                 on_first_tokens: Optional[Callable[[list["PrefillResult"]], None]] = None):
-        """on_first_tokens(results): told once per step, on the engine thread, the results of the bound prompts
+                 on_first_tokens: Optional[Callable[[list[PrefillResult]], None]] = None):
+        """on_first_tokens(results): told once per step, on the engine thread, the answers of the bound prompts
         without logprobs as soon as their first tokens are sampled, before their KV is handed over (the router sends
         those tokens to the clients at once rather than after the rest of the step and the hand-over); `step` then
-        leaves them out. Without it, or for the other prompts, results come from `step`."""
+        leaves them out. Without it, or for the other prompts, answers come from `step` and `take_binds`."""
         self.core, self.sender = core, sender
         self.on_first_tokens = on_first_tokens
         self.layerwise = layerwise
@@ -92,22 +132,17 @@ class PrefillEngine(StepHooks):
         # The MTP layer's prompt KV is what a speculating decode worker drafts from, and costs the prompt pass a
         # whole MoE layer more: computed for every prompt when this worker runs with --speculative-algorithm (as
         # `pdserve up` starts both tiers), never otherwise, so every page this worker caches has it or none does.
-        # Per request it is shipped only to decode workers that speculate (PrefillJob.ships_mtp).
+        # Per request it is shipped only to decode workers that speculate (PrefillRecord.ships_mtp).
         self.computes_mtp_kv = core.model.has_mtp_weights and core.speculator is not None
         self._num_mtp_layers = core.model_config.num_nextn_predict_layers if self.computes_mtp_kv else 0
         self.on_blocks = on_blocks  # told the block hashes this worker now holds (ownership publishing)
-        self._jobs: dict[str, tuple[PrefillJob, Optional[SendHandle]]] = {}  # handle None: not bound yet
-        self._slots: dict[str, torch.Tensor] = {}  # the step's prompts' slots, computed once for all their layers
-        self._streamed: dict[str, int] = {}  # the step's streaming prompts: main layers handed over so far
-        self._parked: dict[str, _Parked] = {}
-        self._binds: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, handle, dst_pages, ships_mtp)
-        self._shipped: list[PrefillResult] = []  # parked prompts shipped at their bind, not yet returned
-        self._told: set[str] = set()  # prompts whose result went to on_first_tokens this step
+        self.records: dict[str, PrefillRecord] = {}  # every request not DONE or FAILED
+        self._binds: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, handle, ships_mtp) from any thread
         core.hooks = self
 
-    def num_layers_for(self, job: PrefillJob) -> int:
-        """Layers the job's room carries: the main model's, then the MTP layer's when it ships them."""
-        return self.num_main_layers + (self._num_mtp_layers if job.ships_mtp else 0)
+    def num_layers_for(self, ships_mtp: bool) -> int:
+        """Layers a destination's room carries: the main model's, then the MTP layer's when it ships them."""
+        return self.num_main_layers + (self._num_mtp_layers if ships_mtp else 0)
 
     def check_destination(self, job: PrefillJob, dst_pages: list[int], ships_mtp: bool) -> None:
         """ValueError where a destination cannot take the job (any thread: reads nothing that changes)."""
@@ -121,12 +156,17 @@ class PrefillEngine(StepHooks):
     def has_work(self) -> bool:
         return self.core.has_unfinished
 
-    def add(self, job: PrefillJob, handle: Optional[SendHandle]) -> None:
-        """handle None: the destination comes later (`bind`)."""
-        if handle is not None:
-            self.check_destination(job, job.dst_pages, job.ships_mtp)
-        if job.request_id in self._jobs:
-            raise ValueError(f"request_id {job.request_id!r} is already being prefilled")
+    @property
+    def num_sending(self) -> int:
+        return sum(r.phase is Phase.SENDING for r in self.records.values())
+
+    # ---- the engine thread's commands ------------------------------------------------------------------------------
+    def add(self, job: PrefillJob) -> None:
+        """A new request, QUEUED; its destination comes with `bind`."""
+        rid = job.request_id
+        old = self.records.get(rid)
+        if old is not None and old.phase is not Phase.SENDING:
+            raise ValueError(f"request_id {rid!r} is already being prefilled")
         if len(self.scheduler.waiting) >= self.max_queued:
             raise exhausted(f"this prefill worker's queue is full ({self.max_queued} prompts waiting, "
                             "--max-queued-requests); retry later or add prefill workers")
@@ -136,157 +176,195 @@ class PrefillEngine(StepHooks):
         first_only = SamplingParams(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                     seed=p.seed, ignore_eos=True, logprobs=p.logprobs,
                                     prompt_logprobs=p.prompt_logprobs)
-        self.core.add_request(job.prompt_ids, first_only, job.request_id, arrival_time=job.arrival_time,
-                              detokenize=False)
-        mark("prefill.queued", job.request_id)
-        self._jobs[job.request_id] = (job, handle)
+        self.core.add_request(job.prompt_ids, first_only, rid, arrival_time=job.arrival_time, detokenize=False)
+        mark("prefill.queued", rid)
+        # (An id reused while its previous request's transfer is still SENDING: that transfer ends in the transport
+        # unwatched.)
+        self.records[rid] = PrefillRecord(job)
 
-    def bind(self, request_id: str, handle: SendHandle, dst_pages: list[int], ships_mtp: bool) -> None:
-        """Any thread: the destination of a job added without one (checked with `check_destination`). Taken up by
-        the engine thread in its next step (between its layers too) or `apply_binds`; a job gone by then (aborted)
-        has the handle aborted."""
-        self._binds.put((request_id, handle, list(dst_pages), ships_mtp))
+    def bind(self, request_id: str, handle: SendHandle, ships_mtp: bool) -> None:
+        """Any thread: the destination of a request (checked with `check_destination`). Taken up by the engine
+        thread at its next step (between the layers of a forward too) or `take_binds`; a request gone by then
+        (aborted) has the handle aborted."""
+        self._binds.put((request_id, handle, ships_mtp))
 
-    def apply_binds(self) -> list[PrefillResult]:
-        """Engine thread, between steps: take the binds up; the results of parked prompts shipped by them."""
-        self._take_binds()
-        shipped, self._shipped = self._shipped, []
-        return shipped
+    def take_binds(self) -> list[PrefillResult]:
+        """Engine thread, between steps: the binds that came; the answers of the COMPUTED prompts they shipped."""
+        self._bind_arrived()
+        shipped = [r for r in self.records.values() if r.phase is Phase.COMPUTED and r.handle is not None]
+        for rec in shipped:
+            self._ship_computed(rec)
+        return [rec.result for rec in shipped]
+
+    def _bind_arrived(self) -> None:
+        """The binds that came, each to its request (in whatever phase; a COMPUTED one ships in `take_binds`)."""
+        while True:
+            try:
+                request_id, handle, ships_mtp = self._binds.get_nowait()
+            except queue.Empty:
+                return
+            rec = self.records.get(request_id)
+            if rec is None or rec.handle is not None:  # aborted meanwhile (a second bind is refused before this)
+                handle.abort()
+                continue
+            rec.handle, rec.ships_mtp = handle, ships_mtp
 
     def abort(self, request_id: str) -> bool:
-        entry = self._jobs.pop(request_id, None)
-        if entry is None:
+        """Drops the request wherever it is (its transfer too); False for one not known."""
+        rec = self.records.get(request_id)
+        if rec is None:
             return False
-        parked = self._parked.pop(request_id, None)
-        if parked is not None:
-            self.pool.allocator.decref(parked.pages)
-        else:
+        if rec.phase is Phase.COMPUTED:
+            self.pool.allocator.decref(rec.pages)
+        elif rec.phase in (Phase.QUEUED, Phase.COMPUTING):
             self.core.abort(request_id)
-        if entry[1] is not None:
-            entry[1].abort()
+        if rec.handle is not None:
+            rec.handle.abort()
+        self._end(rec, Phase.FAILED)
         return True
 
     def step(self) -> list[PrefillResult]:
-        """The results of prompts whose KV went to their destination (this step's, and parked ones bound since)."""
-        self._take_binds()
-        results = []
-        for out in self.core.step():  # the hooks below shipped (or parked) each finished prompt's KV and aux record
+        """The answers of prompts whose KV went to their destination (this step's, and COMPUTED ones bound since)
+        that were not told at their sampling."""
+        results = self.take_binds()
+        for out in self.core.step():  # the hooks below sent (or parked) each finished prompt's KV and aux record
             assert out.finished, "a prefill request ends with its first token"
-            if out.request_id in self._told:  # its result went out at its sampling
-                self._told.discard(out.request_id)
-                del self._jobs[out.request_id]
+            rec = self.records[out.request_id]
+            if rec.answered:
                 continue
-            job, handle = self._jobs[out.request_id]
-            result = PrefillResult(out.request_id, out.output_ids[0], out.cached_tokens, handle,
-                                   time.monotonic() - job.arrival_time,
+            result = PrefillResult(out.request_id, out.output_ids[0], out.cached_tokens,
+                                   time.monotonic() - rec.job.arrival_time,
                                    out.logprobs[0] if out.logprobs else None, out.prompt_logprobs)
-            if handle is None:  # parked by on_prefilled: its bind ships it
-                self._parked[out.request_id].result = result
+            if rec.phase is Phase.COMPUTED:  # its bind ships it, and returns this
+                rec.result = result
             else:
-                del self._jobs[out.request_id]
                 results.append(result)
-        shipped, self._shipped = self._shipped, []
-        return shipped + results
+        for req in self.scheduler.running:  # prompts with chunks still to come
+            rec = self.records.get(req.request_id)
+            if rec is not None and rec.phase is Phase.QUEUED:
+                self._computing(rec)
+        return results
 
-    def _take_binds(self) -> None:
-        while True:
-            try:
-                request_id, handle, dst_pages, ships_mtp = self._binds.get_nowait()
-            except queue.Empty:
-                return
-            entry = self._jobs.get(request_id)
-            if entry is None or entry[1] is not None:  # aborted meanwhile (a second bind is refused before this)
-                handle.abort()
+    def poll_transfers(self) -> list[tuple[PrefillRecord, TransferEnd]]:
+        """Engine thread: the SENDING requests whose transfer ended since (DONE or FAILED now), and how."""
+        ended = []
+        for rec in [r for r in self.records.values() if r.phase is Phase.SENDING]:
+            if rec.handle.poll() not in (TransferState.DONE, TransferState.FAILED):
                 continue
-            job = entry[0]
-            job.dst_pages, job.ships_mtp = dst_pages, ships_mtp
-            self._jobs[request_id] = (job, handle)
-            parked = self._parked.pop(request_id, None)
-            if parked is not None:
-                self._ship_parked(job, handle, parked)
+            try:
+                outcome: TransferEnd = rec.handle.wait(ENDED_WAIT_S)
+            except KVTransferError as e:
+                outcome = e
+            self._end(rec, Phase.FAILED if isinstance(outcome, KVTransferError) else Phase.DONE)
+            ended.append((rec, outcome))
+        return ended
 
-    def _ship_parked(self, job: PrefillJob, handle: SendHandle, parked: _Parked) -> None:
+    # ---- phase moves ---------------------------------------------------------------------------------------------
+    def _computing(self, rec: PrefillRecord) -> None:
+        assert rec.phase is Phase.QUEUED, rec.phase
+        rec.phase = Phase.COMPUTING
+
+    def _park(self, rec: PrefillRecord, req: Request, aux: dict) -> None:
+        """COMPUTING -> COMPUTED: its pages held past the request's end (this step) until its bind ships them."""
+        assert rec.phase is Phase.COMPUTING and rec.handle is None, rec.phase
+        self.pool.allocator.incref(req.pages)
+        rec.pages, rec.aux, rec.phase = list(req.pages), aux, Phase.COMPUTED
+
+    def _send(self, rec: PrefillRecord, aux: dict) -> None:
+        """COMPUTING or COMPUTED -> SENDING: every layer handed over; the aux record closes the room."""
+        assert rec.phase in (Phase.COMPUTING, Phase.COMPUTED) and rec.handle is not None, rec.phase
+        mark("prefill.handed_over", rec.request_id)  # (before: the confirmation may come back first)
+        rec.handle.finish(aux)
+        rec.slots, rec.aux, rec.phase = None, None, Phase.SENDING
+
+    def _end(self, rec: PrefillRecord, phase: Phase) -> None:
+        assert phase in (Phase.DONE, Phase.FAILED)
+        rec.phase = phase
+        if self.records.get(rec.request_id) is rec:
+            del self.records[rec.request_id]
+
+    def _ship_computed(self, rec: PrefillRecord) -> None:
         main = self.num_main_layers
-        handle.send_layers(0, self.pool.kv[:main], parked.slots)
-        if job.ships_mtp:
-            handle.send_layers(main, self.pool.kv[main:main + self._num_mtp_layers], parked.slots)
-        mark("prefill.handed_over", job.request_id)
-        handle.finish(parked.aux)
-        self.pool.allocator.decref(parked.pages)  # the rows are the transport's now (it gathered them)
-        del self._jobs[job.request_id]
-        parked.result.handle = handle
-        self._shipped.append(parked.result)
+        rec.handle.send_layers(0, self.pool.kv[:main], rec.slots)
+        if rec.ships_mtp:
+            rec.handle.send_layers(main, self.pool.kv[main:main + self._num_mtp_layers], rec.slots)
+        self._send(rec, rec.aux)
+        self.pool.allocator.decref(rec.pages)  # the rows are the transport's now (it gathered them)
+        rec.pages = []
 
     # ---- StepHooks: called inside LLMEngine.step -------------------------------------------------------------------
     def on_layer_done(self, prompts: list[Request], layer: int) -> None:
         if layer == 0:
             for req in prompts:
                 mark("prefill.layer0_done", req.request_id)
-        self._take_binds()  # a bind that came during this forward: its prompt streams from here on
+                rec = self.records[req.request_id]
+                if rec.phase is Phase.QUEUED:  # its only chunk
+                    self._computing(rec)
+        self._bind_arrived()  # (in the middle of a forward: see COMPUTING in the module's docstring)
         if not self.layerwise:
             return
         for req in prompts:
-            handle = self._jobs[req.request_id][1]
-            if handle is not None and handle.streams_layers:
+            rec = self.records[req.request_id]
+            if rec.handle is not None and rec.handle.streams_layers:
                 # Every layer computed so far (more than this one where the bind came in the middle of the forward).
                 # The transport gathers the rows once, into memory it owns, so the pool may move on at once.
-                first = self._streamed.get(req.request_id, 0)
-                handle.send_layers(first, self.pool.kv[first:layer + 1], self._slots_of(req))
-                self._streamed[req.request_id] = layer + 1
+                rec.handle.send_layers(rec.layers_sent, self.pool.kv[rec.layers_sent:layer + 1],
+                                       self._slots_of(req, rec))
+                rec.layers_sent = layer + 1
 
     def on_prefilled(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
         for req in prompts:
             mark("prefill.sampled", req.request_id)
-        jobs = [self._jobs[req.request_id] for req in prompts]
+        records = [self.records[req.request_id] for req in prompts]
         if self.on_first_tokens is not None:
             now = time.monotonic()
-            told = [PrefillResult(req.request_id, tok, req.num_cached_tokens, handle, now - job.arrival_time)
-                    for req, (job, handle), tok in zip(prompts, jobs, first_tokens)
-                    if handle is not None and not job.params.wants_logprobs]
+            told = [PrefillResult(req.request_id, tok, req.num_cached_tokens, now - rec.job.arrival_time)
+                    for req, rec, tok in zip(prompts, records, first_tokens)
+                    if rec.handle is not None and not rec.job.params.wants_logprobs]
             if told:
-                self._told.update(r.request_id for r in told)
+                for result in told:
+                    self.records[result.request_id].answered = True
                 self.on_first_tokens(told)
         try:
-            self._hand_over(prompts, jobs, first_tokens, hidden)
+            self._hand_over(prompts, records, first_tokens, hidden)
         except BaseException:  # the prompts already answered hear of it from their decode worker, at once
-            for req, (_, handle) in zip(prompts, jobs):
-                if req.request_id in self._told:
-                    handle.abort()
+            for rec in records:
+                if rec.answered:
+                    rec.handle.abort()
             raise
 
-    def _hand_over(self, prompts: list[Request], jobs: list, first_tokens: list[int], hidden: torch.Tensor) -> None:
-        """The step's prompts' KV and aux records to their transports (or parked until their bind)."""
+    def _hand_over(self, prompts: list[Request], records: list[PrefillRecord], first_tokens: list[int],
+                   hidden: torch.Tensor) -> None:
+        """The step's prompts' KV and aux records to their transports (SENDING), or held until their bind
+        (COMPUTED)."""
         main = self.num_main_layers
-        for req, (_, handle) in zip(prompts, jobs):  # every layer not streamed yet, at once
-            first = self._streamed.pop(req.request_id, 0)
-            if handle is not None and first < main:
-                handle.send_layers(first, self.pool.kv[first:main], self._slots_of(req))
+        for req, rec in zip(prompts, records):  # every layer not streamed yet, at once
+            if rec.handle is not None and rec.layers_sent < main:
+                rec.handle.send_layers(rec.layers_sent, self.pool.kv[rec.layers_sent:main], self._slots_of(req, rec))
         # The MTP layer's KV at the last prompt position needs the first token. A prompt not bound yet gets it
         # wherever this worker computes it: whether its destination wants it is not known yet.
-        rows = [i for i, (job, handle) in enumerate(jobs)
-                if (job.ships_mtp if handle is not None else self.computes_mtp_kv)]
-        if rows:  # (add() admitted a bound job that ships it only where this worker computes the MTP layer)
+        rows = [i for i, rec in enumerate(records)
+                if (rec.ships_mtp if rec.handle is not None else self.computes_mtp_kv)]
+        if rows:  # (the servicer binds a destination that wants it only where this worker computes the MTP layer)
             self._mtp_kv_at_last_position([prompts[i] for i in rows], [first_tokens[i] for i in rows], hidden[rows])
             for i in rows:
                 mark("prefill.mtp_kv_computed", prompts[i].request_id)
-                if jobs[i][1] is not None:
-                    jobs[i][1].send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
-                                           self._slots_of(prompts[i]))
+                if records[i].handle is not None:
+                    records[i].handle.send_layers(main, self.pool.kv[main:main + self._num_mtp_layers],
+                                                  self._slots_of(prompts[i], records[i]))
         hidden_host = hidden.detach().to("cpu", torch.float32)  # (prompts, D): one copy for the step's prompts
-        for req, (_, handle), tok, h in zip(prompts, jobs, first_tokens, hidden_host):
+        for req, rec, tok, h in zip(prompts, records, first_tokens, hidden_host):
             aux = {"first_token_id": tok, "cached_tokens": req.num_cached_tokens, "hidden": h,  # (the sender copies)
                    "rng_state": _rng_state(req.generator)}
-            if handle is not None:
-                mark("prefill.handed_over", req.request_id)  # (before: the confirmation may come back first)
-                handle.finish(aux)
-            else:  # held past the request's end (this step) until its bind ships them
-                self.pool.allocator.incref(req.pages)
-                self._parked[req.request_id] = _Parked(list(req.pages), self._slots_of(req), aux)
+            if rec.handle is not None:
+                self._send(rec, aux)
+            else:
+                self._slots_of(req, rec)  # (its bind ships the rows from these slots)
+                self._park(rec, req, aux)
         if self.on_blocks is not None:  # after the KV went: the keys the prefix cache made, no hashing again
             ps = self.pool.page_size
             for req in prompts:
                 self.on_blocks(leading_block_hashes(req.prompt_ids, ps, req.num_prompt_tokens // ps, req.block_keys))
-        self._slots.clear()
 
     def _mtp_kv_at_last_position(self, prompts: list[Request], first_tokens: list[int], hidden: torch.Tensor) -> None:
         """The MTP layer's KV at each prompt's last position (its input there is the first token)."""
@@ -295,14 +373,13 @@ class PrefillEngine(StepHooks):
     def compute_only(self) -> StepHooks:
         return _ComputeOnly(self) if self.computes_mtp_kv else super().compute_only()
 
-    def _slots_of(self, req: Request) -> torch.Tensor:
-        """The prompt's slots `(prompt tokens,)` on the pool's device, made once per step (uploaded without
-        waiting for the GPU)."""
-        slots = self._slots.get(req.request_id)
-        if slots is None:
-            slots = self._slots[req.request_id] = self.core.runner.staging.upload(
+    def _slots_of(self, req: Request, rec: PrefillRecord) -> torch.Tensor:
+        """The prompt's slots `(prompt tokens,)` on the pool's device, made once (uploaded without waiting for the
+        GPU)."""
+        if rec.slots is None:
+            rec.slots = self.core.runner.staging.upload(
                 token_slots(req.pages, req.num_prompt_tokens, self.pool.page_size))
-        return slots
+        return rec.slots
 
 
 class _ComputeOnly(StepHooks):

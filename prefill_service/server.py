@@ -17,7 +17,7 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
     Drain, ServiceError, create_server, invalid, serve_until_signal, start_serving, status_of,
 )
-from pdserve.kv_transfer import KVTransferError, TRANSPORTS, check_transport_device
+from pdserve.kv_transfer import KVTransferError, SendHandle, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
 from pdserve.serving.rpc_convert import (
     layout_from_proto, layout_to_proto, logprob_to_proto, logprobs_to_proto, sampling_from_proto,
@@ -27,10 +27,10 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
 from pdserve.serving.worker_common import (
-    Deliveries, WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread,
+    WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread,
 )
 
-from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob
+from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob, PrefillResult
 from .prompt_calls import PromptCall
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # Python work, which the writer would otherwise wait out for up to a whole interval (benchmarks/results/README.md has
 # the A/B).
 GIL_SWITCH_INTERVAL_S = 0.001
+
+# How often a stop asks whether the transfers in flight have ended.
+TRANSFERS_DONE_POLL_S = 0.05
 
 # KVTransferError kinds -> the status the router sees.
 TRANSFER_STATUS = {"incompatible": grpc.StatusCode.FAILED_PRECONDITION,
@@ -89,13 +92,12 @@ class PrefillWorker:
                                     max_queued=config.max_queued_requests, layerwise=config.kv_layerwise,
                                     on_first_tokens=self._deliver)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
-                               on_error=self._step_failed)
-        self.deliveries: Optional[Deliveries] = None
-        self.transfers: set[asyncio.Task] = set()  # KV transfers of answered prompts, still in flight
+                               on_error=self._step_failed, idle=self._poll_transfers)
+        self.event_loop: Optional[asyncio.AbstractEventLoop] = None  # where the prompts await their answers
         self.last_load = self.load()  # read here, before the engine thread starts
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.deliveries = Deliveries(loop)
+        self.event_loop = loop
         self.loop.start()
 
     def _held(self, hashes: list[bytes]) -> None:
@@ -104,16 +106,22 @@ class PrefillWorker:
 
     def _step(self) -> None:
         self._deliver(self.engine.step())
+        self._poll_transfers()
         self._update_gauges()
 
-    def apply_binds(self) -> None:
-        """Engine thread: destinations that came while the engine had nothing to compute (parked prompts)."""
-        self._deliver(self.engine.apply_binds())
+    def take_binds(self) -> None:
+        """Engine thread: destinations that came while the engine had nothing to compute (COMPUTED prompts)."""
+        self._deliver(self.engine.take_binds())
 
-    def _deliver(self, results) -> None:
+    def _deliver(self, results: list[PrefillResult]) -> None:
+        """Engine thread: the answers to the prompts awaiting them (PrefillJob.answer), in one hand-off to the
+        event loop (one wake-up for the step's prompts)."""
+        answers = []
         for r in results:
             self.metrics.ttft.observe(r.ttft_s)
-        self.deliveries.resolve_many([(r.request_id, r) for r in results])
+            answers.append((self.engine.records[r.request_id].job.answer, r))
+        if answers:
+            self.event_loop.call_soon_threadsafe(_settle, answers)
 
     def _update_gauges(self) -> None:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
@@ -123,33 +131,34 @@ class PrefillWorker:
 
     def _step_failed(self, error: BaseException) -> None:
         # NOTE: the exception's text stays in the log (EngineLoop logged the traceback), never in a response.
-        self.deliveries.fail_all(ServiceError(grpc.StatusCode.INTERNAL,
-                                              "prefill step failed (the prefill worker's log has the details)"))
+        failure = ServiceError(grpc.StatusCode.INTERNAL,
+                               "prefill step failed (the prefill worker's log has the details)")
+        answers = [(rec.job.answer, failure) for rec in self.engine.records.values()]
+        self.event_loop.call_soon_threadsafe(_settle, answers)
 
-    def follow_transfer(self, request_id: str, handle, transport: str) -> None:
-        """Event loop: count a prompt's transfer (handed to the transport) once it ends, after its answer went. A stop waits for the transfers in flight (`transfers_done`)."""
-        async def follow() -> None:
-            start = time.monotonic()
-            try:
-                stats = await asyncio.to_thread(handle.wait, self.config.transfer_timeout_s)
-            except KVTransferError as e:  # the decode worker's stream tells the router (it sees the same end)
-                log.warning("request %s: KV transfer failed after the first token: %s", request_id, e)
-                self.metrics.count(self.metrics.transfer_failures, kind=e.kind, transport=transport)
-                self.metrics.count(self.metrics.requests, outcome="failed")
-                return
-            mark("prefill.transfer_confirmed", request_id)
-            self.metrics.count(self.metrics.transfer_bytes, stats.bytes_sent, transport=transport)
-            self.metrics.observe(self.metrics.transfer_seconds, time.monotonic() - start, transport=transport)
-            self.metrics.count(self.metrics.requests, outcome="finished")
-
-        task = asyncio.ensure_future(follow())
-        self.transfers.add(task)
-        task.add_done_callback(self.transfers.discard)
+    def _poll_transfers(self) -> None:
+        """Engine thread, after each step and while idle: counts the transfers that ended (their prompts were
+        answered already: the decode worker's stream tells the router how a transfer ended)."""
+        m = self.metrics
+        for rec, outcome in self.engine.poll_transfers():
+            transport = rec.handle.transport
+            if isinstance(outcome, KVTransferError):
+                log.warning("request %s: KV transfer failed after the first token: %s", rec.request_id, outcome)
+                m.count(m.transfer_failures, kind=outcome.kind, transport=transport)
+                m.count(m.requests, outcome="failed")
+                continue
+            mark("prefill.transfer_confirmed", rec.request_id)
+            m.count(m.transfer_bytes, outcome.bytes_sent, transport=transport)
+            m.observe(m.transfer_seconds, outcome.seconds, transport=transport)
+            m.count(m.requests, outcome="finished")
 
     async def transfers_done(self, timeout_s: float) -> None:
         """Waits (at most timeout_s) for the transfers still in flight, so that a stop does not cut them."""
-        if self.transfers:
-            await asyncio.wait(set(self.transfers), timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not await asyncio.wrap_future(self.loop.submit(lambda: self.engine.num_sending)):
+                return
+            await asyncio.sleep(TRANSFERS_DONE_POLL_S)
 
     def drain_evicted(self) -> list[bytes]:
         out, self._evicted[:] = list(self._evicted), []
@@ -161,7 +170,8 @@ class PrefillWorker:
         sched, alloc = self.core.scheduler, self.core.pool.allocator
         free = alloc.num_free + self.core.prefix_cache.num_cache_only_pages
         return pb.WorkerLoad(num_running_requests=len(sched.running), num_waiting_requests=len(sched.waiting),
-                             num_free_pages=free, num_total_pages=alloc.num_pages)
+                             num_free_pages=free, num_total_pages=alloc.num_pages,
+                             num_transferring=self.engine.num_sending)
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(worker_id=self.identity.worker_id, role=pb.WORKER_ROLE_PREFILL,
@@ -195,28 +205,22 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             if not request.input_ids:
                 raise invalid("input_ids: the prompt is empty")
             params = sampling_from_proto(request.sampling_params)
-            job = PrefillJob(rid, list(request.input_ids), params, [], ships_mtp=False)
-            result_future = w.deliveries.expect(rid)
-            try:
-                await on_engine_thread(w.loop, lambda: w.engine.add(job, None), lambda: self._give_up(rid))
-            except BaseException:
-                w.deliveries.discard(rid)
-                raise
+            job = PrefillJob(rid, list(request.input_ids), params, answer=asyncio.get_running_loop().create_future())
+            await on_engine_thread(w.loop, lambda: w.engine.add(job), lambda: self._give_up(rid))
             w.metrics.count(w.metrics.prompt_tokens, len(job.prompt_ids))
             try:
-                handle = await self._open(job, await self._destination(rid, destination))
+                handle, ships_mtp = await self._open(job, await self._destination(rid, destination))
                 transport = handle.transport
-                w.engine.bind(rid, handle, job.dst_pages, job.ships_mtp)
-                w.loop.submit(w.apply_binds)  # (an engine with nothing to compute is waiting for a command)
-                result = await result_future
+                w.engine.bind(rid, handle, ships_mtp)
+                w.loop.submit(w.take_binds)  # (an engine with nothing to compute is waiting for a command)
+                result = await job.answer
             except BaseException:  # the router gave up (client cancelled), or no usable destination: stop the work
-                w.deliveries.discard(rid)
+                job.answer.cancel()
                 w.loop.submit(lambda: (w.engine.abort(rid), w._update_gauges()))  # idle: no step refreshes them
                 raise
             w.metrics.count(w.metrics.prefix_hit_tokens, result.cached_tokens)
             # The answer goes at once, with the KV still on its way: the router sends the first token to its client
             # now rather than after the decode worker received it (its stream reports what becomes of the transfer).
-            w.follow_transfer(rid, result.handle, transport)
             resp = pb.PrefillResponse(first_token_id=result.first_token_id, cached_tokens=result.cached_tokens,
                                       evicted_block_hashes=w.drain_evicted(),
                                       prompt_logprobs=logprobs_to_proto((result.prompt_logprobs or [None])[1:]))
@@ -247,9 +251,9 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no KV destination (bind) came for request {rid!r} within {timeout_s:g} s") from None
 
-    async def _open(self, job: PrefillJob, destination: pb.ReserveResponse):
+    async def _open(self, job: PrefillJob, destination: pb.ReserveResponse) -> tuple[SendHandle, bool]:
         """The send handle to `destination` (the decode worker's ReserveResponse: room, kv_endpoint, dst_pages,
-        layout, skip_mtp_kv), after checking that it can take the job; sets the job's dst_pages and ships_mtp."""
+        layout, skip_mtp_kv), after checking that it can take the job, and whether it wants the MTP layer's KV."""
         w = self.w
         mismatch = w.layout.mismatch(layout_from_proto(destination.layout))
         if mismatch:
@@ -263,20 +267,31 @@ class PrefillServicer(WorkerControl, pb_grpc.PrefillWorkerServicer):
             if str(e) == MTP_KV_NOT_COMPUTED:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, MTP_KV_NOT_COMPUTED) from None
             raise
-        job.dst_pages, job.ships_mtp = dst_pages, ships_mtp
         # Where this worker is paired with that decode worker already (every prompt after its first), opening a room
         # cannot block: open it right here. A bind arrives while the engine thread computes its prompt, and a thread
         # hop there (an executor thread, then back on this loop) is two more takers of the engine thread's GIL.
-        room = (destination.kv_endpoint, destination.room, w.engine.num_layers_for(job), dst_pages)
+        room = (destination.kv_endpoint, destination.room, w.engine.num_layers_for(ships_mtp), dst_pages)
         handle = w.sender.begin_if_paired(*room)
         if handle is not None:
-            return handle
+            return handle, ships_mtp
         opening = asyncio.ensure_future(asyncio.to_thread(w.sender.begin, *room))
         try:
-            return await asyncio.shield(opening)
+            return await asyncio.shield(opening), ships_mtp
         except asyncio.CancelledError:  # the call ended while connecting: the handle it opens is nobody's
             opening.add_done_callback(_abort_opened)
             raise
+
+
+def _settle(answers: list[tuple[asyncio.Future, object]]) -> None:
+    """Event loop: each future its PrefillResult, or the exception to raise (a prompt that gave up meanwhile has
+    its future cancelled)."""
+    for future, outcome in answers:
+        if future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 def _abort_opened(opening: asyncio.Future) -> None:

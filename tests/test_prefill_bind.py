@@ -1,7 +1,7 @@
 """A prompt computed before its KV destination is known (the router reserves on the decode worker meanwhile): the
-prefill engine parks it (pages held, aux kept) and ships it at its bind with the rows and aux record a job bound from
-the start ships; a bind during the forward streams the layers computed so far at once; an aborted parked prompt lets
-its pages go. Through a real prefill worker's PrefillStream: a bind in the prompt's message or after the prompt was
+prefill engine holds it COMPUTED (pages held, aux kept) and ships it at its bind with the rows and aux record a job
+bound from the start ships; a bind during the forward streams the layers computed so far at once; an aborted COMPUTED
+prompt lets its pages go; a transfer's end takes its request out of the engine. Through a real prefill worker's PrefillStream: a bind in the prompt's message or after the prompt was
 computed, a second bind, a bind without its destination, and no bind at all."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kv_cache import CacheConfig
-from pdserve.prefill_service.engine import PrefillEngine, PrefillJob
+from pdserve.kv_transfer import KVTransferError, TransferState
+from pdserve.prefill_service.engine import Phase, PrefillEngine, PrefillJob
 from pdserve.prefill_service.server import PrefillServicer, PrefillWorker, PrefillWorkerConfig
 from pdserve.sampling import SamplingParams
 from pdserve.serving.metrics import Metrics
@@ -30,7 +31,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
 from stack import decode_updates, generate, start_stack, wait_idle
-from test_prefill_streaming import BulkRecordingHandle, RecordingHandle
+from test_prefill_streaming import BulkRecordingHandle, RecordingHandle, add_bound
 
 PROMPT = "The router sends each request to a prefill worker"
 SPECULATING = SpeculativeConfig("NEXTN", 2)
@@ -44,8 +45,7 @@ def engine_of(tiny_v3_dir, speculative=SPECULATING) -> PrefillEngine:
 def run_bound(tiny_v3_dir, handle, ships_mtp=True):
     """The reference: the same prompt on a fresh engine, bound from the start."""
     engine = engine_of(tiny_v3_dir)
-    engine.add(PrefillJob("r", engine.core.encode(PROMPT), SamplingParams(), list(range(16)), ships_mtp=ships_mtp),
-               handle)
+    add_bound(engine, PrefillJob("r", engine.core.encode(PROMPT), SamplingParams()), handle, ships_mtp)
     results = []
     while engine.has_work:
         results += engine.step()
@@ -63,32 +63,34 @@ def assert_same_shipment(got, reference) -> None:
 
 @pytest.mark.parametrize("handle_cls", [RecordingHandle, BulkRecordingHandle])
 @pytest.mark.parametrize("ships_mtp", [True, False])
-def test_a_prompt_computed_before_its_bind_is_parked_then_shipped_as_if_bound(tiny_v3_dir, handle_cls, ships_mtp):
+def test_a_prompt_computed_before_its_bind_is_held_then_shipped_as_if_bound(tiny_v3_dir, handle_cls, ships_mtp):
     engine = engine_of(tiny_v3_dir)
     alloc = engine.pool.allocator
     prompt = engine.core.encode(PROMPT)
-    engine.add(PrefillJob("r", prompt, SamplingParams(), []), None)
+    engine.add(PrefillJob("r", prompt, SamplingParams()))
+    assert engine.records["r"].phase is Phase.QUEUED
     results = []
     while engine.has_work:
         results += engine.step()
     assert results == [] and not engine.has_work  # computed, nothing shipped: no destination yet
-    parked_pages = -(-len(prompt) // 4)
-    assert engine.core.kv_pages_in_use_by_requests() >= parked_pages  # held past the request's end
+    assert engine.records["r"].phase is Phase.COMPUTED
+    held_pages = -(-len(prompt) // 4)
+    assert engine.core.kv_pages_in_use_by_requests() >= held_pages  # held past the request's end
     handle = handle_cls([])
-    engine.bind("r", handle, list(range(16)), ships_mtp)
-    shipped = engine.apply_binds()
-    assert [r.request_id for r in shipped] == ["r"] and shipped[0].handle is handle
+    engine.bind("r", handle, ships_mtp)
+    shipped = engine.take_binds()
+    assert [r.request_id for r in shipped] == ["r"] and engine.records["r"].phase is Phase.SENDING
     assert shipped[0].first_token_id == handle.aux["first_token_id"]
     assert engine.core.kv_pages_in_use_by_requests() == 0
     assert alloc.num_free + alloc.num_tracked_alone == alloc.num_pages  # the prefix cache's alone
     reference = RecordingHandle([])
     assert run_bound(tiny_v3_dir, reference, ships_mtp)[0].first_token_id == shipped[0].first_token_id
     assert_same_shipment(handle, reference)
-    assert engine.apply_binds() == []
+    assert engine.take_binds() == []
 
 
 def test_a_bound_prompts_result_goes_to_on_first_tokens_before_its_kv_is_handed_over(tiny_v3_dir):
-    """The worker answers Prefill from on_first_tokens: told at the sampling, before the hand-off, and only for bound
+    """The worker answers a prompt from on_first_tokens: told at the sampling, before the hand-off, and only for bound
     prompts without logprobs; step() leaves those out and returns the others; the hand-off is what a job without
     the callback gets."""
     events, told = [], []
@@ -96,15 +98,14 @@ def test_a_bound_prompts_result_goes_to_on_first_tokens_before_its_kv_is_handed_
     engine.on_first_tokens = lambda results: [(told.append(r), events.append(f"told {r.request_id}")) for r in results]
     prompt = engine.core.encode(PROMPT)
     early = BulkRecordingHandle(events)
-    engine.add(PrefillJob("early", prompt, SamplingParams(), list(range(16)), ships_mtp=False), early)
+    add_bound(engine, PrefillJob("early", prompt, SamplingParams()), early, ships_mtp=False)
     with_logprobs = BulkRecordingHandle([])
-    engine.add(PrefillJob("logprobs", prompt, SamplingParams(logprobs=2), list(range(16, 32)),
-                          ships_mtp=False), with_logprobs)
-    engine.add(PrefillJob("parked", prompt, SamplingParams(), []), None)
+    add_bound(engine, PrefillJob("logprobs", prompt, SamplingParams(logprobs=2)), with_logprobs, ships_mtp=False)
+    engine.add(PrefillJob("parked", prompt, SamplingParams()))
     results = []
     while engine.has_work:
         results += engine.step()
-    assert [r.request_id for r in told] == ["early"] and told[0].handle is early
+    assert [r.request_id for r in told] == ["early"]
     assert events[0] == "told early" and events[-1] == "finish"  # told first, then its layers and aux went
     assert [r.request_id for r in results] == ["logprobs"] and with_logprobs.aux is not None
     reference = RecordingHandle([])
@@ -112,8 +113,8 @@ def test_a_bound_prompts_result_goes_to_on_first_tokens_before_its_kv_is_handed_
     assert sorted(early.layers) == sorted(reference.layers)  # (a batch of three: fp32 sums may differ in the last bit)
     for layer in reference.layers:
         torch.testing.assert_close(early.layers[layer], reference.layers[layer], rtol=0, atol=1e-5)
-    engine.bind("parked", BulkRecordingHandle([]), list(range(32, 48)), False)
-    assert [r.request_id for r in engine.apply_binds()] == ["parked"] and len(told) == 1  # parked: not told
+    engine.bind("parked", BulkRecordingHandle([]), False)
+    assert [r.request_id for r in engine.take_binds()] == ["parked"] and len(told) == 1  # computed first: not told
     assert engine.core.kv_pages_in_use_by_requests() == 0
 
 
@@ -127,15 +128,15 @@ def test_a_bind_during_the_forward_streams_the_layers_computed_so_far_then_the_r
     def bind_once(*_) -> None:  # the bind comes (the servicer's call) as layer 1 of the final chunk starts
         if "bind" not in events:
             events.append("bind")
-            engine.bind("r", handle, list(range(16)), True)
+            engine.bind("r", handle, True)
 
     engine.core.model.layers[1].register_forward_pre_hook(bind_once)
     engine.core.model.layers[-1].register_forward_pre_hook(lambda *_: events.append("last layer starts"))
-    engine.add(PrefillJob("r", engine.core.encode(PROMPT), SamplingParams(), []), None)
+    engine.add(PrefillJob("r", engine.core.encode(PROMPT), SamplingParams()))
     results = []
     while engine.has_work:
         results += engine.step()
-    assert [r.handle for r in results] == [handle]
+    assert [r.request_id for r in results] == ["r"] and engine.records["r"].handle is handle
     sends = [e for e in events if e.startswith("send")]
     # Layer 0 was computed before the bind: it goes at layer 1's end with it, during the forward, then one per layer.
     assert events.index("bind") < events.index("send 0") < events.index("send 1") < events.index("last layer starts")
@@ -145,23 +146,62 @@ def test_a_bind_during_the_forward_streams_the_layers_computed_so_far_then_the_r
     assert_same_shipment(handle, reference)
 
 
-def test_an_aborted_parked_prompt_lets_its_pages_go_and_a_late_bind_is_aborted(tiny_v3_dir):
+def test_an_aborted_computed_prompt_lets_its_pages_go_and_a_late_bind_is_aborted(tiny_v3_dir):
     engine = engine_of(tiny_v3_dir)
     alloc = engine.pool.allocator
-    engine.add(PrefillJob("r", engine.core.encode(PROMPT), SamplingParams(), []), None)
+    engine.add(PrefillJob("r", engine.core.encode(PROMPT), SamplingParams()))
     while engine.has_work:
         engine.step()
     assert engine.core.kv_pages_in_use_by_requests() > 0
-    assert engine.abort("r")
+    assert engine.abort("r") and "r" not in engine.records
     assert engine.core.kv_pages_in_use_by_requests() == 0
     assert alloc.num_free + alloc.num_tracked_alone == alloc.num_pages  # the prefix cache's alone
     late = RecordingHandle([])
-    engine.bind("r", late, list(range(16)), True)
-    assert engine.apply_binds() == [] and late.events == ["abort"] and not late.layers
-    # Aborted while still computing (not parked yet): the same.
-    engine.add(PrefillJob("s", engine.core.encode(PROMPT), SamplingParams(), []), None)
-    assert engine.abort("s") and not engine.has_work
+    engine.bind("r", late, True)
+    assert engine.take_binds() == [] and late.events == ["abort"] and not late.layers
+    # Aborted while still queued: the same.
+    engine.add(PrefillJob("s", engine.core.encode(PROMPT), SamplingParams()))
+    assert engine.abort("s") and not engine.has_work and not engine.records
     assert engine.core.kv_pages_in_use_by_requests() == 0
+
+
+class EndingHandle(RecordingHandle):
+    """A room whose transfer ends when the test says, as the test says."""
+
+    def __init__(self, events):
+        super().__init__(events)
+        self.state, self.error = TransferState.TRANSFERRING, None
+
+    def poll(self) -> TransferState:
+        return self.state
+
+    def wait(self, timeout=None):
+        if self.error is not None:
+            raise self.error
+        return super().wait(timeout)
+
+
+def test_a_sent_prompt_stays_sending_until_its_transfer_ends_and_an_abort_then_aborts_the_transfer(tiny_v3_dir):
+    engine = engine_of(tiny_v3_dir)
+    prompt = engine.core.encode(PROMPT)
+    handles = {rid: EndingHandle([]) for rid in ("done", "failed", "aborted")}
+    for rid, handle in handles.items():
+        add_bound(engine, PrefillJob(rid, prompt, SamplingParams()), handle)
+    while engine.has_work:
+        engine.step()
+    assert {rid: r.phase for rid, r in engine.records.items()} == dict.fromkeys(handles, Phase.SENDING)
+    assert engine.poll_transfers() == [] and engine.num_sending == 3
+    handles["done"].state = TransferState.DONE
+    handles["failed"].state = TransferState.FAILED
+    handles["failed"].error = KVTransferError("peer_failed", "the decode worker went away")
+    ended = {rec.request_id: (rec.phase, outcome) for rec, outcome in engine.poll_transfers()}
+    assert ended["done"][0] is Phase.DONE and ended["done"][1].bytes_sent > 0
+    assert ended["failed"] == (Phase.FAILED, handles["failed"].error)
+    assert list(engine.records) == ["aborted"] and engine.num_sending == 1
+    assert engine.abort("aborted") and handles["aborted"].events[-1] == "abort" and not engine.records
+    assert not engine.abort("done")  # ended already: unknown
+    engine.add(PrefillJob("done", prompt, SamplingParams()))  # its id may come again
+    assert engine.records["done"].phase is Phase.QUEUED
 
 
 def in_process_worker(tiny_v3_dir) -> PrefillWorker:
@@ -264,7 +304,7 @@ def test_a_destination_already_paired_is_opened_on_the_event_loop_not_on_a_threa
 
 def test_the_destinations_checks_come_before_anything_is_sent(tiny_v3_dir):
     plain = engine_of(tiny_v3_dir, SpeculativeConfig())
-    job = PrefillJob("r", plain.core.encode(PROMPT), SamplingParams(), [])
+    job = PrefillJob("r", plain.core.encode(PROMPT), SamplingParams())
     with pytest.raises(ValueError, match="--speculative-algorithm"):
         plain.check_destination(job, list(range(16)), ships_mtp=True)
     with pytest.raises(ValueError, match="decode reserved 1 pages but the prompt needs"):

@@ -9,6 +9,7 @@ import torch
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kv_cache import CacheConfig
+from pdserve.kv_transfer import TransferState, TransferStats
 from pdserve.prefill_service.engine import PrefillEngine, PrefillJob
 from pdserve.sampling import SamplingParams
 from pdserve.scheduler import SchedulerConfig
@@ -16,7 +17,9 @@ from pdserve.spec_decode import SpeculativeConfig
 
 
 class RecordingHandle:
+    """A room that keeps what it is sent; its transfer ends (DONE) with its aux record."""
     streams_layers = True  # as TCP's and NCCL's handles
+    transport = "tcp"
 
     def __init__(self, events):
         self.events, self.layers, self.aux = events, {}, None
@@ -36,6 +39,12 @@ class RecordingHandle:
     def abort(self):
         self.events.append("abort")
 
+    def poll(self) -> TransferState:
+        return TransferState.DONE if self.aux is not None else TransferState.TRANSFERRING
+
+    def wait(self, timeout=None) -> TransferStats:
+        return TransferStats(bytes_sent=len(self.layers), seconds=0.0)
+
 
 class BulkRecordingHandle(RecordingHandle):
     streams_layers = False  # as cuda_ipc's: every layer at once after the forward
@@ -49,6 +58,12 @@ class BulkRecordingHandle(RecordingHandle):
 SPECULATING = SpeculativeConfig("NEXTN", 2)  # a prefill worker started with --speculative-algorithm: MTP KV too
 
 
+def add_bound(engine: PrefillEngine, job: PrefillJob, handle, ships_mtp: bool = True) -> None:
+    """A job whose bind is there before its first step (as when the reservation came back at once)."""
+    engine.add(job)
+    engine.bind(job.request_id, handle, ships_mtp)
+
+
 def test_layers_stream_during_the_forward(tiny_v3_dir):
     core = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=6), speculative=SPECULATING))
@@ -58,7 +73,7 @@ def test_layers_stream_during_the_forward(tiny_v3_dir):
     engine = PrefillEngine(core, sender=None)
     prompt = core.encode("The router sends each request to a prefill worker")  # > 6 tokens: several chunks
     handle = RecordingHandle(events)
-    engine.add(PrefillJob("r1", prompt, SamplingParams(max_new_tokens=4), dst_pages=list(range(16))), handle)
+    add_bound(engine, PrefillJob("r1", prompt, SamplingParams(max_new_tokens=4)), handle)
     results = []
     while engine.has_work:
         results += engine.step()
@@ -85,9 +100,9 @@ def test_layers_stream_during_the_forward(tiny_v3_dir):
 
 
 def test_without_speculation_no_mtp_layer_is_computed_or_shipped(tiny_v3_dir):
-    """A decode worker that does not speculate asks for the main model's layers only (skip_mtp_kv, PrefillJob
+    """A decode worker that does not speculate asks for the main model's layers only (skip_mtp_kv: bound with
     ships_mtp=False); a prefill worker without --speculative-algorithm never computes the MTP layer's prompt KV, and
-    refuses a job that needs it; the main layers' rows are those a speculating prefill worker ships."""
+    refuses a destination that needs it; the main layers' rows are those a speculating prefill worker ships."""
     prompt_text = "The router sends each request to a prefill worker"
 
     def run(speculative, ships_mtp):
@@ -98,27 +113,26 @@ def test_without_speculation_no_mtp_layer_is_computed_or_shipped(tiny_v3_dir):
         extend = core.runner.mtp_extend
         core.runner.mtp_extend = lambda *a: (passes.append(1), extend(*a))
         handle = RecordingHandle([])
-        job = PrefillJob("r", core.encode(prompt_text), SamplingParams(max_new_tokens=4), list(range(16)),
-                         ships_mtp=ships_mtp)
-        engine.add(job, handle)
+        add_bound(engine, PrefillJob("r", core.encode(prompt_text), SamplingParams(max_new_tokens=4)), handle,
+                  ships_mtp)
         while engine.has_work:
             engine.step()
-        return core, engine, job, handle, passes
+        return core, engine, handle, passes
 
-    core, engine, job, plain, passes = run(SpeculativeConfig(), ships_mtp=False)
+    core, engine, plain, passes = run(SpeculativeConfig(), ships_mtp=False)
     main, total = core.model_config.num_hidden_layers, core.model_config.num_kv_layers
-    assert not engine.computes_mtp_kv and not passes and engine.num_layers_for(job) == main
+    assert not engine.computes_mtp_kv and not passes and engine.num_layers_for(ships_mtp=False) == main
     assert sorted(plain.layers) == list(range(main))
     with pytest.raises(ValueError, match="start it with the decode worker's --speculative-algorithm"):
-        engine.add(PrefillJob("s", [1, 2, 3], SamplingParams(), [0], ships_mtp=True), RecordingHandle([]))
+        engine.check_destination(PrefillJob("s", [1, 2, 3], SamplingParams()), [0], ships_mtp=True)
 
-    _, engine, job, speculating, passes = run(SPECULATING, ships_mtp=True)
-    assert engine.computes_mtp_kv and passes and engine.num_layers_for(job) == total
+    _, engine, speculating, passes = run(SPECULATING, ships_mtp=True)
+    assert engine.computes_mtp_kv and passes and engine.num_layers_for(ships_mtp=True) == total
     assert sorted(speculating.layers) == list(range(total))
     for layer in range(main):
         torch.testing.assert_close(plain.layers[layer], speculating.layers[layer], rtol=1e-5, atol=1e-5)
     assert plain.aux["first_token_id"] == speculating.aux["first_token_id"]
-    _, _, job, to_plain_decode, _ = run(SPECULATING, ships_mtp=False)  # a speculating prefill, a plain decode
+    _, _, to_plain_decode, _ = run(SPECULATING, ships_mtp=False)  # a speculating prefill, a plain decode
     assert sorted(to_plain_decode.layers) == list(range(main))
 
 
@@ -134,8 +148,8 @@ def test_a_transport_that_copies_on_the_gpu_gets_each_prompts_layers_in_one_call
     last.register_forward_hook(lambda *_: events.append("last layer done"))
     streaming, bulk = RecordingHandle([]), BulkRecordingHandle(events)
     prompts = [core.encode("The router sends each request to a prefill worker"), core.encode("Hello there, decode")]
-    engine.add(PrefillJob("s", prompts[0], SamplingParams(), list(range(16))), streaming)
-    engine.add(PrefillJob("b", prompts[1], SamplingParams(), list(range(16, 32))), bulk)
+    add_bound(engine, PrefillJob("s", prompts[0], SamplingParams()), streaming)
+    add_bound(engine, PrefillJob("b", prompts[1], SamplingParams()), bulk)
     while engine.has_work:
         engine.step()
     main, total = core.model_config.num_hidden_layers, core.model_config.num_kv_layers
@@ -144,7 +158,7 @@ def test_a_transport_that_copies_on_the_gpu_gets_each_prompts_layers_in_one_call
     alone = PrefillEngine(LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=64),
                                                  speculative=SPECULATING)), sender=None)
     reference = RecordingHandle([])
-    alone.add(PrefillJob("b", prompts[1], SamplingParams(), list(range(16))), reference)
+    add_bound(alone, PrefillJob("b", prompts[1], SamplingParams()), reference)
     while alone.has_work:
         alone.step()
     for layer in range(total):

@@ -98,7 +98,7 @@ def test_a_speculating_prefill_workers_warmup_computes_the_mtp_kv_of_every_promp
     report = warm_up(engine, FULL_PLAN)  # (its decode batches and mixed step too: a prefill worker's never run them)
     assert sorted(computed) == sorted([1, 17, 32, 49] + [17] * 4 + [21] * 3 + [17] * (1 + 2 + 4) + [17] * 3)
     assert report.requests == len(computed)
-    assert engine.hooks is prefill and not prefill._jobs and not prefill._parked  # nothing shipped, nothing held
+    assert engine.hooks is prefill and not prefill.records  # nothing shipped, nothing held
     plain = PrefillEngine(engine_for(tiny_v3_dir), sender=None)  # no MTP-layer KV: nothing more to compute
     assert not plain.compute_only().computes_mtp_kv
 
