@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--send", nargs="+", default=["room", "layers"], choices=["room", "layers"],
                    help="room: every layer in one send_layers (as the prefill worker hands over a whole prompt); "
                         "layers: one send_layer per layer (as it streams layer by layer)")
+    p.add_argument("--profile", action="store_true",
+                   help="print torch.profiler's busiest device operations of each case's measured rooms")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--role", default="prefill", choices=["prefill", "decode"], help=argparse.SUPPRESS)
@@ -294,7 +296,15 @@ def prefill_main(args) -> None:
                 for tokens in args.tokens:
                     case = {"tokens": tokens, "page_order": order, "send": send,
                             "bytes": tokens * result["bytes_per_token"]}
+                    profiler = None
+                    if args.profile:
+                        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                      torch.profiler.ProfilerActivity.CUDA])
+                        profiler.__enter__()
                     case["ours"] = run_ours(args, child, sender, rows, tokens, order, room, send=send)
+                    if profiler is not None:
+                        profiler.__exit__(None, None, None)
+                        print(profiler.key_averages().table(sort_by="device_time_total", row_limit=14), flush=True)
                     room += args.warmup + args.iters
                     case["ours"]["GB_per_s"] = case["bytes"] / case["ours"]["seconds"] / 1e9
                     if tokens in peer:

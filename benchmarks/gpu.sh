@@ -33,6 +33,11 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   prefill-workers  the demo model through `pdserve up` with one and with two prefill workers beside the decode worker
              on the one GPU, alternating (1, 2, 1, 2): bench_serving.py at concurrency 32 and 128 and prompts only,
              the engine alone after each stack (~3 min)
+  pd         two GPUs: the V3 slice (2048 in / 64 out) through `pdserve up` with prefill on GPU 0 and decode on GPU 1
+             over cuda_ipc (auto), nccl and tcp at concurrency 1 32 128, two colocated replicas (a prefill and a decode
+             worker on each GPU) at 32 and 128, 16k-token prompts at 1, the engine alone on one GPU; one table with
+             each target met or missed (benchmarks/pd_report.py) (~15 min: more than one device call; PD_LAYOUTS
+             picks the layouts, e.g. PD_LAYOUTS="auto nccl" then "tcp colocated long")
   kv         two GPUs: the two-GPU tests (the engine on the last GPU, prefill on GPU 0 and decode on GPU 1 over each
              transport, the NCCL transport's own) and bench_kv_transfer.py GPU 0 -> GPU 1 for cuda_ipc and nccl
              against a peer copy (on one GPU it says so and exits 0) (~8 min)
@@ -281,6 +286,30 @@ suite_kv() {  # two GPUs: kv.log, kv_nccl.json, kv_cuda_ipc.json
   step 240 python3 benchmarks/bench_kv_transfer.py --backend nccl --out "$d/kv_nccl.json" --iters 6 "$@"
 }
 
+suite_pd() {  # two GPUs: pd.log, pd.md, pd_auto/ pd_nccl/ pd_tcp/ colocated/ long/ (each bench_serving.py's files)
+  # The disaggregated stack on two GPUs against the engine alone and two colocated replicas, V3 slice, 2048 in / 64
+  # out; benchmarks/pd_report.py makes the table from whichever layouts ran. PD_LAYOUTS picks them (default: all;
+  # they take longer than one device call: run them in two, then pd_report.py over the merged folders). Extra args
+  # go to every bench_serving.py run.
+  local d=$1 v3=(--models v3 --cuda-graph-max-bs 128 --prompts-only-concurrency 0) apart=(--up-arg=--gpus=0,1) l
+  shift
+  for l in ${PD_LAYOUTS:-auto nccl tcp colocated long}; do
+    case $l in
+      auto) step 330 python3 benchmarks/bench_serving.py --out "$d/pd_auto" "${v3[@]}" --concurrency 1 8 32 128 \
+              --cold "${apart[@]}" "$@" ;;
+      nccl | tcp) step 150 python3 benchmarks/bench_serving.py --out "$d/pd_$l" "${v3[@]}" --concurrency 1 32 128 \
+              --skip-engine "${apart[@]}" --up-arg=--kv-transport=$l "$@" ;;
+      colocated) step 150 python3 benchmarks/bench_serving.py --out "$d/colocated" "${v3[@]}" --concurrency 32 128 \
+              --skip-engine --up-arg=--prefill=2 --up-arg=--decode=2 --up-arg=--prefill-gpus=0,1 \
+              --up-arg=--decode-gpus=0,1 "$@" ;;
+      long) step 200 python3 benchmarks/bench_serving.py --out "$d/long" "${v3[@]}" --concurrency 1 --num-prompts 4 \
+              --v3-input-len 16384 "${apart[@]}" "$@" ;;
+      *) echo "PD_LAYOUTS: unknown layout $l (auto nccl tcp colocated long)"; FAILED=1 ;;
+    esac
+  done
+  python3 benchmarks/pd_report.py "$d" | tee "$d/pd.md"
+}
+
 suite_profile() {  # profile.log, bench_c<C>.json, decode[_engine]_c<C>.raw, router_c<C>.raw (py-spy, raw stacks)
   # Where the stack's host time goes: pdserve up --device cuda (demo model), pdserve bench at concurrency 32 and 1,
   # py-spy sampling the decode worker and the router (the `up` process) meanwhile; summarized with
@@ -393,10 +422,10 @@ case "$suite" in
     need_gpus 1 kv-ipc
     setup_env
     run_suite kv-ipc "$@" ;;
-  kv)
-    need_gpus 2 kv
+  kv | pd)
+    need_gpus 2 "$suite"
     setup_env
-    run_suite kv "$@" ;;
+    run_suite "$suite" "$@" ;;
   tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | pacing | prefill-workers | overlap | ttft | \
   trace | profile | host)
     need_gpus 1 "$suite"
