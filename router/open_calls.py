@@ -46,27 +46,19 @@ class OpenCall:
         raise NotImplementedError
 
     # ---- shared -------------------------------------------------------------------------------------------------
-    def send(self, command) -> asyncio.Future:
-        """Queue `command`; the future returned is done once gRPC took the message that carries it."""
-        written = asyncio.get_running_loop().create_future()
-        self._commands.put_nowait((command, written))
-        return written
+    def send(self, command) -> None:
+        """Queue `command` for the call's next message."""
+        self._commands.put_nowait(command)
 
     def close(self) -> None:
         self.reader.cancel()
 
     async def _send(self) -> AsyncIterator:
         while True:
-            command, written = await self._commands.get()
-            carried = [written]
+            command = await self._commands.get()
             while not self._commands.empty() and command.ByteSize() < MERGE_BYTES:
-                more, written = self._commands.get_nowait()
-                command.MergeFrom(more)  # (appends the repeated fields)
-                carried.append(written)
+                command.MergeFrom(self._commands.get_nowait())  # (appends the repeated fields)
             yield command
-            for written in carried:  # (gRPC asks for the next message once it has written this one)
-                if not written.done():
-                    written.set_result(None)
 
     async def _read(self) -> None:
         error = CallFailed(grpc.StatusCode.UNAVAILABLE,

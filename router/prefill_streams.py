@@ -37,20 +37,15 @@ class PrefillCall(OpenCall):
 
     def prefill(self, request: pb.PrefillRequest) -> asyncio.Future:
         """Sends the prompt; its answer comes in the future returned (cancel it to drop the prompt)."""
-        return self.prefill_written(request)[0]
-
-    def prefill_written(self, request: pb.PrefillRequest) -> tuple[asyncio.Future, asyncio.Future]:
-        """`prefill`, and a future done once gRPC took the prompt's message (never, if the call ends first: the
-        answer fails then)."""
-        loop = asyncio.get_running_loop()
-        answer = loop.create_future()
+        answer = asyncio.get_running_loop().create_future()
         rid = request.request_id
         if self.ended is not None:
             answer.set_exception(CallFailed(self.ended.code(), self.ended.details()))
-            return answer, loop.create_future()
+            return answer
         self.waiting[rid] = answer
         answer.add_done_callback(lambda a: a.cancelled() and self._cancel(rid, a))
-        return answer, self.send(pb.PrefillStreamRequest(prefill=[request]))
+        self.send(pb.PrefillStreamRequest(prefill=[request]))
+        return answer
 
     def bind(self, request: pb.BindRequest) -> None:
         """The destination of a prompt sent without one; dropped with the call (its prompt has failed then)."""

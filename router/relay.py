@@ -8,8 +8,7 @@ other workers an attempt that failed as unreachable before any token reached the
 
 - send_prompt: the prompt goes to the prefill worker on the router's open PrefillStream call (prefill_streams.py),
   without a destination: the worker computes it while the decode worker reserves pages.
-- reserve_decode: once gRPC took the prompt's message, Reserve on the decode worker (started before the write, its
-  unary call would run on the event loop ahead of the prompt's write); the prompt's forward is the time it has.
+- reserve_decode: Reserve on the decode worker, which has the prompt's forward to answer in.
 - bind: the reservation goes to the prefill worker as the prompt's destination (a Bind on its open call), and the
   request attaches to the decode worker's open DecodeStream call (decode_streams.py).
 - stream_tokens: the request's feed collects everything that can happen to it: the decode worker's updates, the
@@ -105,8 +104,8 @@ class Relay:
         self.down = asyncio.ensure_future(_first_down(self.prefill, self.decode))
         try:
             _left(self.req.deadline)  # (raises if it has passed)
-            written = self.send_prompt()
-            reserve = await self.reserve_decode(written)
+            self.send_prompt()
+            reserve = await self.reserve_decode()
             self.bind(reserve)
             async for msg in self.stream_tokens():
                 yield msg
@@ -114,17 +113,15 @@ class Relay:
             self.fail()
 
     # ---- phases --------------------------------------------------------------------------------------------------
-    def send_prompt(self) -> asyncio.Future:
-        """The prompt, without its destination (a Bind follows); returns the future done once gRPC took it."""
+    def send_prompt(self) -> None:
+        """The prompt, without its destination (a Bind follows)."""
         self.prefill_call = self.links.prefill_streams.to(self.prefill)
-        self.answer, written = self.prefill_call.prefill_written(pb.PrefillRequest(
+        self.answer = self.prefill_call.prefill(pb.PrefillRequest(
             request_id=self.req.rid, input_ids=self.req.ids, sampling_params=self.sampling))
         self.answer.add_done_callback(self._prefill_answered)
-        return written
 
-    async def reserve_decode(self, written: asyncio.Future) -> pb.ReserveResponse:
-        """Pages on the decode worker for the prompt and its new tokens, asked once the prompt is on its way."""
-        await asyncio.wait({written, self.answer, self.down}, return_when=asyncio.FIRST_COMPLETED)
+    async def reserve_decode(self) -> pb.ReserveResponse:
+        """Pages on the decode worker for the prompt and its new tokens."""
         call = asyncio.ensure_future(self.decode.stub.Reserve(
             pb.ReserveRequest(request_id=self.req.rid, input_ids=self.req.ids, sampling_params=self.sampling),
             timeout=_left(self.req.deadline), metadata=self.links.metadata))

@@ -233,14 +233,13 @@ class BrokenCall:
 
 
 class FakeStub:
-    """A prefill worker's stub whose PrefillStream calls are `call_cls(commands)`."""
+    """A prefill worker's stub whose PrefillStream calls are BrokenCalls."""
 
-    def __init__(self, call_cls=None) -> None:
-        self.call_cls = call_cls or BrokenCall
+    def __init__(self) -> None:
         self.calls: list = []
 
     def PrefillStream(self, commands, metadata=None):  # noqa: N802 (the stub's method name)
-        self.calls.append(self.call_cls(commands))
+        self.calls.append(BrokenCall(commands))
         return self.calls[-1]
 
 
@@ -269,58 +268,6 @@ def test_every_prompt_on_a_call_that_breaks_fails_unavailable_and_the_next_promp
         assert failed.value.code() == UNAVAILABLE
         assert streams.to(worker) is not call and len(stub.calls) == 2
         streams.close()
-    asyncio.run(main())
-
-
-class RecordingCall:
-    """A PrefillStream call that takes in every message the router sends (timed) and answers what the test puts."""
-
-    def __init__(self, commands) -> None:
-        self.commands, self.sent = commands, []
-        self.answers: asyncio.Queue = asyncio.Queue()
-
-    def cancel(self) -> None:
-        pass
-
-    def __aiter__(self):
-        return self._messages()
-
-    async def _messages(self):
-        reader = asyncio.ensure_future(self._take())
-        try:
-            while True:
-                yield await self.answers.get()
-        finally:
-            reader.cancel()
-
-    async def _take(self) -> None:
-        async for msg in self.commands:
-            self.sent.append((time.monotonic(), msg))
-
-
-def test_a_prompts_written_future_is_done_once_grpc_took_its_message_merged_or_not():
-    """The router starts a prompt's decode reservation only once gRPC has the prompt's message (its Reserve call would
-    otherwise run on the loop before the write): prefill_written's second future says when."""
-    async def main():
-        stub = FakeStub(RecordingCall)
-        streams = PrefillStreams(metadata=(), seen=lambda w: None)
-        call = streams.to(Worker("p:1", "prefill", channel=None, stub=stub, healthy=True))
-        (a, a_written), (b, b_written) = (call.prefill_written(prompt(rid)) for rid in "ab")  # queued together
-        assert not a_written.done() and not b_written.done()
-        await asyncio.wait_for(asyncio.gather(a_written, b_written), 5)
-        wire = stub.calls[0]
-        assert [[r.request_id for r in msg.prefill] for _, msg in wire.sent] == [["a", "b"]]  # one message
-        c, c_written = call.prefill_written(prompt("c"))
-        await asyncio.wait_for(c_written, 5)
-        assert [r.request_id for r in wire.sent[-1][1].prefill] == ["c"]
-        streams.close()
-        for answer in (a, b, c):
-            with pytest.raises(Exception, match="closing"):
-                await answer
-        ended, never = call.prefill_written(prompt("d"))  # on the ended call: the answer fails at once
-        with pytest.raises(Exception, match="closing"):
-            await ended
-        assert not never.done()
     asyncio.run(main())
 
 
