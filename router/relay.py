@@ -3,8 +3,8 @@
 A request's phases, each a method of `Relay`, in this order (`Router.generate` chose the two workers, and retries on
 other workers an attempt that failed as unreachable before any token reached the client):
 
-    send_prompt -> reserve_decode -> bind -> stream_tokens -> finish
-                                        \\-> fail (any phase: both workers drop the request)
+    send_prompt -> reserve_decode -> bind -> stream_tokens -> finish -> close
+    an early exit from any phase                                     -> close, failing the request on both workers
 
 - send_prompt: the prompt goes to the prefill worker on the router's open PrefillStream call (prefill_streams.py),
   without a destination: the worker computes it while the decode worker reserves pages.
@@ -17,8 +17,8 @@ other workers an attempt that failed as unreachable before any token reached the
   queued meanwhile (a client reading slower than the engine steps) go out in one chunk, and after the first token at
   least `stream_interval` at a time.
 - finish: the `complete` message, the request's metrics, and the prefix the prefill worker now holds recorded.
-- fail: on any early exit (a worker's failure, the deadline, the client gone) the decode call cancels the request and
-  the prompt's answer is cancelled, so both workers free its pages.
+- close: the attempt's end, whichever way. After an early exit (a worker's failure, the deadline, the client gone) the
+  decode call cancels the request and the prompt's answer is cancelled, so both workers free its pages.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Relay:
             async for msg in self.stream_tokens():
                 yield msg
         finally:
-            self.fail()
+            self.close()
 
     # ---- phases --------------------------------------------------------------------------------------------------
     def send_prompt(self) -> None:
@@ -192,7 +192,7 @@ class Relay:
             text="".join(self.text), logprobs=self.logprobs,
             prompt_logprobs=resp.prompt_logprobs if req.params.prompt_logprobs is not None else []))
 
-    def fail(self) -> None:
+    def close(self) -> None:
         """The attempt's end, whichever way: unless the request finished, both workers drop it and free its
         pages."""
         self.ended = True
