@@ -80,9 +80,9 @@ class RouterConfig:
 
 
 class Router:
-    """Request checks (nothing invalid reaches a worker), admission (concurrency limit, unique in-flight ids), and
-    one request's life across a prefill and a decode worker, retried once elsewhere if a worker was unreachable
-    before any token reached the client."""
+    """Request checks (nothing invalid reaches a worker), admission (concurrency limit, unique in-flight ids), the
+    choice of a prefill and a decode worker per request, and its attempt on them (a `Relay`, relay.py), retried once
+    on other workers if one was unreachable before any token reached the client."""
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, ownership: OwnershipStore, metrics: Metrics,
                  tokenizer: Optional[Tokenizer]):
