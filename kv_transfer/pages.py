@@ -56,7 +56,7 @@ def scatter_pages(layer_kv: torch.Tensor, rows: torch.Tensor, plan: PagePlan) ->
     token_slots(pages, num_tokens, page_size), rows)` per layer. Queued on the current stream; each layer of both
     tensors contiguous. Rows on another GPU than the pool first move to the pool's GPU in one peer copy (queued on
     the rows' device's current stream, ordered with the pool's device's current stream), and are scattered there:
-    one large operation crosses the link, however scattered the pages."""
+    one large operation crosses the link, however scattered the pages (`copy_across` overlaps the two)."""
     if (rows.shape[-2] != plan.num_tokens or rows.dtype != layer_kv.dtype or rows.dim() != layer_kv.dim()
             or rows.shape[:-2] != layer_kv.shape[:-2] or rows.shape[-1] != layer_kv.shape[-1]):
         raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype} for a plan of {plan.num_tokens} tokens into a "
@@ -99,4 +99,27 @@ def _widest_word(*tensors: torch.Tensor) -> Optional[torch.dtype]:
     return None
 
 
-__all__ = ["PagePlan", "plan_pages", "scatter_pages"]
+def copy_across(layer_kv: torch.Tensor, rows: torch.Tensor, plan: PagePlan, scatter_stream: torch.cuda.Stream,
+                chunks: int = 4) -> None:
+    """`scatter_pages` of `rows: (layers, num_tokens, kv_dim)` on one GPU into `layer_kv: (layers, slots, kv_dim)` on
+    another, as a pipeline: the room crosses the link in `chunks` runs of layers, each into a staging block on the
+    pool's GPU, and each block's scatter runs on `scatter_stream` while the next block crosses (copy engines and the
+    pool GPU's cores at once).
+
+    NOTE: called with the rows' device's current stream ordered after the rows, and on the pool's device a current
+    stream with nothing queued that the copies should wait for: torch orders a copy between GPUs after both devices'
+    current streams, so were `scatter_stream` current there, each block would wait for the previous block's scatter.
+    The caller waits for `scatter_stream` (an event recorded on it after this returns)."""
+    stage = torch.cuda.current_stream(layer_kv.device)
+    num_layers = rows.shape[0]
+    step = -(-num_layers // max(1, min(chunks, num_layers)))
+    for first in range(0, num_layers, step):
+        last = min(num_layers, first + step)
+        staged = rows[first:last].to(layer_kv.device, non_blocking=True)  # (chunk, num_tokens, kv_dim) peer copy
+        scatter_stream.wait_stream(stage)  # that copy landed (stage waits for it)
+        with torch.cuda.stream(scatter_stream):
+            scatter_pages(layer_kv[first:last], staged, plan)
+        staged.record_stream(scatter_stream)  # allocated on the stage stream, read by the scatter
+
+
+__all__ = ["PagePlan", "copy_across", "plan_pages", "scatter_pages"]
