@@ -140,7 +140,9 @@ def gather_layers(source: torch.Tensor, slots: torch.Tensor | None) -> torch.Ten
 @dataclass(frozen=True)
 class TransferStats:
     bytes_sent: int  # payload + framing bytes of this room
-    seconds: float  # begin() to the decode worker's confirmation
+    # The first rows' hand-over (send_rows / send_layers) to the decode worker's confirmation: the transfer's own
+    # time, not the prompt's forward a room opened at the start of it waits for (begin() when no rows came).
+    seconds: float
 
     @property
     def gb_per_s(self) -> float:

@@ -180,6 +180,7 @@ class TcpSendHandle(SendHandle):
         self._bytes = 0
         self._event = threading.Event()
         self._t0 = time.monotonic()
+        self._t_rows: float | None = None  # the first rows' hand-over: a transfer's time runs from there
         self._t_end: float | None = None
         self._deadline = self._t0 + timeout_s
 
@@ -187,6 +188,7 @@ class TcpSendHandle(SendHandle):
         num_tokens = self._check_layer(layer, source, slots)
         self._num_tokens = num_tokens
         self._layers.add(layer)
+        self._t_rows = self._t_rows or time.monotonic()
         if self.status.state == TransferState.FAILED:
             return
         self._queue_layer(layer, source, slots)
@@ -219,6 +221,7 @@ class TcpSendHandle(SendHandle):
         counts = {self._check_layer(layer, source[layer - first_layer], slots) for layer in layers}
         self._num_tokens = counts.pop()  # (one count: the slots are shared)
         self._layers.update(layers)
+        self._t_rows = self._t_rows or time.monotonic()
         return layers
 
     def _queue_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> None:
@@ -274,7 +277,7 @@ class TcpSendHandle(SendHandle):
         error = self.status.exception()
         if error is not None:
             raise error
-        return TransferStats(self._bytes, self._t_end - self._t0)
+        return TransferStats(self._bytes, self._t_end - (self._t_rows or self._t0))
 
     def poll(self) -> TransferState:
         if not self.status.finished and time.monotonic() >= self._deadline:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 import uuid
 
 import pytest
@@ -482,9 +483,13 @@ def test_workers_log_and_label_the_transport_their_pairing_chose(tiny_v3_dir, tm
         why = "cuda_ipc impossible: the decode worker's KV pool is not on a GPU"
         assert f"over tcp ({why})" in prefill_log, prefill_log[-2000:]
         assert "paired with prefill" in decode_log and why in decode_log, decode_log[-2000:]
-        metrics = scrape(stack.prefill[0])
+        # Two transfers: the router's warm-up request through the pair (router/warm_pairs.py), then ours; the
+        # prefill worker counts a transfer once the decode worker confirmed it, which may come after the tokens.
+        done = 'pdserve_kv_transfer_seconds_count{role="prefill",transport="tcp"} 2.0'
+        deadline = time.monotonic() + 10
+        while done not in (metrics := scrape(stack.prefill[0])) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert 'pdserve_kv_transfer_bytes_total{role="prefill",transport="tcp"}' in metrics
-        # Two transfers: the router's warm-up request through the pair (router/warm_pairs.py), then ours.
-        assert 'pdserve_kv_transfer_seconds_count{role="prefill",transport="tcp"} 2.0' in metrics
+        assert done in metrics
     finally:
         stack.stop()
