@@ -303,7 +303,7 @@ suite_pd() {  # two GPUs: pd.log, pd.md, pd_auto/ pd_nccl/ pd_tcp/ colocated/ lo
               --skip-engine --up-arg=--prefill=2 --up-arg=--decode=2 --up-arg=--prefill-gpus=0,1 \
               --up-arg=--decode-gpus=0,1 "$@" ;;
       long) step 200 python3 benchmarks/bench_serving.py --out "$d/long" "${v3[@]}" --concurrency 1 --num-prompts 4 \
-              --v3-input-len 16384 "${apart[@]}" "$@" ;;
+              --v3-input-len 16384 --engine-arg=--max-model-len=16448 "${apart[@]}" "$@" ;;
       *) echo "PD_LAYOUTS: unknown layout $l (auto nccl tcp colocated long)"; FAILED=1 ;;
     esac
   done
