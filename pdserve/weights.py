@@ -8,6 +8,7 @@ mismatches are errors that name the tensor, raised before the model is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -128,10 +129,24 @@ def checkpoint_files(model_dir: str) -> list[str]:
                        "model.safetensors.index.json); use --load-format dummy for random weights")
 
 
+@contextlib.contextmanager
+def _checkpoint_file(path: str):
+    """safe_open, with a file safetensors cannot read (a truncated or corrupt download, not a safetensors file) as
+    a WeightsError naming it: the user's to fix, not an internal error."""
+    from safetensors import SafetensorError
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise WeightsError(f"{path} cannot be read as safetensors ({e}): a truncated or corrupt download? "
+                           "Fetch the file again") from None
+
+
 def _iter_tensors(files: list[str], progress: Callable[[str], None]) -> Iterator[tuple[str, torch.Tensor]]:
     start = time.monotonic()
     for i, path in enumerate(files):
-        with safe_open(path, framework="pt") as f:
+        with _checkpoint_file(path) as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
         progress(f"loaded shard {i + 1}/{len(files)} ({os.path.basename(path)}) in {time.monotonic() - start:.1f}s")
@@ -212,7 +227,7 @@ def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, k
 def _checkpoint_keys(files: list[str]) -> set[str]:
     keys: set[str] = set()
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        with _checkpoint_file(path) as f:
             keys.update(f.keys())
     return keys
 
