@@ -85,3 +85,36 @@ def test_cpu_workers_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
     assert worker_env(args, {"OMP_NUM_THREADS": "5"})["OMP_NUM_THREADS"] == "5"  # the user's choice wins
     assert worker_env(argparse.Namespace(device="cpu", prefill=8, decode=8), {})["OMP_NUM_THREADS"] == "1"
     assert "OMP_NUM_THREADS" not in worker_env(argparse.Namespace(device="cuda", prefill=1, decode=1), {})
+
+
+def test_up_with_the_internal_token_in_its_environment_serves_and_guards_the_router(tiny_v3_dir, tmp_path):
+    """`PDSERVE_INTERNAL_TOKEN=tok pdserve up --api-key k`: the workers require the token and the router inside
+    `up` sends it (it did not: every request got UNAVAILABLE), never on a command line; clients need the key."""
+    import grpc
+
+    from pdserve.v1 import generate_pb2 as gen_pb
+    from pdserve.v1 import generate_pb2_grpc as gen_grpc
+
+    port = free_port()
+    log = tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_v3_dir), "--port", str(port),
+                           "--page-size", "4", "--http-port", "0", "--metrics-port", "0", "--api-key", "k"],
+                          cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_INTERNAL_TOKEN": "tok"})
+    try:
+        wait_serving(Proc("router", f"127.0.0.1:{port}", up, 0, log), timeout_s=90)
+        workers = [pid for pid in processes_mentioning(str(tiny_v3_dir)) if pid != up.pid]
+        assert workers and not any("tok" in open(f"/proc/{pid}/cmdline").read().split("\0") for pid in workers)
+        req = gen_pb.GenerateRequest(sampling_params=gen_pb.SamplingParams(max_new_tokens=3))
+        req.tokenized.input_ids.extend([5, 6, 7])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = gen_grpc.GenerationStub(ch)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(req, timeout=30))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            got = list(stub.Generate(req, timeout=60, metadata=[("authorization", "Bearer k")]))
+        assert got and got[-1].HasField("complete"), got
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "/health, /metrics; default 8000)")
     ug.add_argument("--no-http", action="store_true", help="serve no OpenAI HTTP API (gRPC only)")
     ug.add_argument("--transfer-timeout", type=float, default=300.0)
+    ug.add_argument("--internal-token", default=None, metavar="TOKEN",
+                    help="shared secret of the internal endpoints: the workers require it, the router sends it "
+                         "(handed to the workers through their environment, never their command line)")
+    ug.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                    help="require 'authorization: Bearer KEY' from clients of the router (repeatable: any of them)")
     ug.add_argument("--kv-transport", default="auto", choices=LazyChoices(serve.kv_transport_names),
                     help=serve.KV_TRANSPORT_HELP)
     ug.add_argument("--no-kv-layerwise", action="store_true",

@@ -99,9 +99,13 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 def worker_env(args: argparse.Namespace, environ) -> dict[str, str]:
     """The workers' environment. On the CPU each worker gets its share of the cores for torch's thread pool (unless
-    OMP_NUM_THREADS is set): every process sizing its pool to all cores makes them spin against each other (on 2
-    cores a 32-token prefill of the demo model took 50 ms in a worker instead of 13 ms in one process)."""
+    OMP_NUM_THREADS is set): every process sizing its pool to all cores makes them spin against each other. The
+    internal token, when `up` has one, reaches them here."""
     env = dict(environ)
+    # NOTE: the token goes in the environment (PDSERVE_INTERNAL_TOKEN, what the workers' --internal-token defaults
+    # to), not on their command lines, which every local user can list.
+    if getattr(args, "internal_token", None):
+        env["PDSERVE_INTERNAL_TOKEN"] = args.internal_token
     if args.device == "cpu" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (args.prefill + args.decode)))
     return env
@@ -274,6 +278,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
             balance_threshold=args.balance_threshold, metrics_port=None if args.no_metrics else args.metrics_port,
             stream_interval=args.stream_interval,
+            internal_token=args.internal_token, api_key=args.api_key,
             skip_warmup=getattr(args, "skip_warmup", False),
             http_port=None if args.no_http else args.http_port,
             prefill=[n.split(":", 1)[1] for n, _ in procs if n.startswith("prefill")],
