@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 _MAX_REMEMBERED = 4096  # finished rooms whose late frames are still answered with the right error kind
 _MAX_AUX_PAYLOAD = 64 << 20  # hidden state (hidden_size floats) + RNG state: far below this for any model
 _DEFAULT_MAX_ROOM_TOKENS = 1 << 20  # when the owner does not say how many tokens its pool holds
+HELLO_MAX_JSON_BYTES = 64 << 10  # a HELLO is a layout and a few facts: far below this
+# Connections accepted and not yet through their handshake, each a thread: from one host, and in all.
+MAX_HANDSHAKES_PER_HOST, MAX_HANDSHAKES = 16, 256
 
 
 class _PeerConn:
@@ -95,6 +98,8 @@ class TcpKVReceiver(KVReceiver):
         self._rooms: dict[int, _Room] = {}
         self._dropped: OrderedDict[int, tuple[str, str]] = OrderedDict()  # room -> (error kind, message)
         self._conns: dict[_PeerConn, threading.Thread] = {}
+        self._handshaking: dict[str, int] = {}  # host -> its connections not yet through the handshake
+        self.refused_connections = 0  # closed at accept: their host had too many handshakes pending
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._listener = socket.create_server((host, port))
@@ -344,15 +349,43 @@ class TcpKVReceiver(KVReceiver):
                 if self._stop.is_set():
                     sock.close()
                     return
+                if not self._may_handshake_locked(addr[0]):
+                    sock.close()  # a host that opens connections and never says HELLO gets no more threads
+                    continue
                 self._conns[conn] = t
             t.start()
 
+    def _may_handshake_locked(self, host: str) -> bool:
+        """Count a new connection from `host` as handshaking, unless too many (from it, or from all) already are."""
+        pending = self._handshaking.get(host, 0)
+        if pending >= MAX_HANDSHAKES_PER_HOST or sum(self._handshaking.values()) >= MAX_HANDSHAKES:
+            self.refused_connections += 1
+            if self.refused_connections in (1, 10, 100) or self.refused_connections % 1000 == 0:
+                logger.warning("KV receiver %s: closed a connection from %s at once: %d connections from it (%d "
+                               "in all) have not completed their handshake (%d closed so far)", self._endpoint, host,
+                               pending, sum(self._handshaking.values()), self.refused_connections)
+            return False
+        self._handshaking[host] = pending + 1
+        return True
+
+    def _handshake_over(self, conn: _PeerConn) -> None:
+        host = conn.addr.rsplit(":", 1)[0]
+        with self._lock:
+            left = self._handshaking.get(host, 0) - 1
+            if left > 0:
+                self._handshaking[host] = left
+            else:
+                self._handshaking.pop(host, None)
+
     def _serve(self, conn: _PeerConn) -> None:
         kind, why = "peer_failed", f"the prefill connection from {conn.addr} closed mid-transfer"
+        handshaking = True
         try:
-            conn.sock.settimeout(self.handshake_timeout_s)
             configure_socket(conn.sock)
-            if not self._handshake(conn):
+            paired = self._handshake(conn)
+            self._handshake_over(conn)
+            handshaking = False
+            if not paired:
                 return
             conn.sock.settimeout(None)
             while not self._stop.is_set():
@@ -368,6 +401,8 @@ class TcpKVReceiver(KVReceiver):
         except OSError as e:
             why += f" ({e})"
         finally:
+            if handshaking:
+                self._handshake_over(conn)
             with self._lock:
                 self._conns.pop(conn, None)
                 for r in [r for r in self._rooms.values() if r.conn is conn]:
@@ -395,7 +430,9 @@ class TcpKVReceiver(KVReceiver):
         """The connection ended and its rooms were failed; release what `_paired` set up."""
 
     def _handshake(self, conn: _PeerConn) -> bool:
-        frame = recv_frame(conn.sock, max_payload=0)
+        # NOTE: before the token check nothing is trusted: a small header only, and one deadline for all of it.
+        frame = recv_frame(conn.sock, max_payload=0, max_json=HELLO_MAX_JSON_BYTES,
+                           deadline=time.monotonic() + self.handshake_timeout_s)
         if frame is None:
             return False
         header, _ = frame

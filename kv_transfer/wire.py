@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 import zlib
 from typing import Any
 
@@ -95,9 +96,14 @@ def send_frame(sock: socket.socket, header: dict[str, Any], *payload: bytes | me
     write_frame(sock, encode_frame(header, *payload))
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> int:
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> int:
     got = 0
     while got < view.nbytes:
+        if deadline is not None:  # one deadline for the whole read: a peer trickling bytes cannot stretch it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the peer did not send its frame in time")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
             break
@@ -105,13 +111,14 @@ def _recv_into(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def recv_frame(sock: socket.socket,
-               max_payload: int = MAX_PAYLOAD_BYTES) -> tuple[dict[str, Any], torch.Tensor] | None:
+def recv_frame(sock: socket.socket, max_payload: int = MAX_PAYLOAD_BYTES, max_json: int = MAX_JSON_BYTES,
+               deadline: float | None = None) -> tuple[dict[str, Any], torch.Tensor] | None:
     """Read one frame: (json header, payload as a fresh uint8 tensor). None on a clean end of stream between
-    frames; ConnectionError if the stream ends inside a frame; ProtocolError on garbage or on a payload larger than
-    max_payload (checked before anything is allocated, so a peer cannot make this side allocate what it likes)."""
+    frames; ConnectionError if the stream ends inside a frame; ProtocolError on garbage or on a header or payload
+    larger than max_json / max_payload (checked before anything is allocated, so a peer cannot make this side
+    allocate what it likes); TimeoutError past `deadline` (time.monotonic()), however the bytes trickle in."""
     raw = bytearray(FRAME_HEADER.size)
-    got = _recv_into(sock, memoryview(raw))
+    got = _recv_into(sock, memoryview(raw), deadline)
     if got == 0:
         return None
     if got < len(raw):
@@ -123,10 +130,12 @@ def recv_frame(sock: socket.socket,
         raise ProtocolError(f"KV protocol version {version} from the peer, this side speaks {VERSION}")
     if json_len > MAX_JSON_BYTES or payload_len > MAX_PAYLOAD_BYTES:
         raise ProtocolError(f"implausible frame sizes (json {json_len} B, payload {payload_len} B)")
+    if json_len > max_json:
+        raise ProtocolError(f"frame header of {json_len} B exceeds this side's limit of {max_json} B")
     if payload_len > max_payload:
         raise ProtocolError(f"frame payload of {payload_len} B exceeds this side's limit of {max_payload} B")
     body = bytearray(json_len)
-    if _recv_into(sock, memoryview(body)) < json_len:
+    if _recv_into(sock, memoryview(body), deadline) < json_len:
         raise ConnectionError("connection closed inside a frame header")
     try:
         header = json.loads(body)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -217,3 +218,81 @@ def test_checksums_are_sent_by_default_and_verified(receiver, monkeypatch):
     assert len(data) == LAYERS + 1 and all(isinstance(hd.get("crc32"), int) for hd in data)
     rec.wait_for(lambda: rec.done)
     sender.close()
+
+
+def _frame_start(json_len: int) -> bytes:
+    """The fixed part of a frame announcing a `json_len`-byte header and no payload."""
+    return wire.FRAME_HEADER.pack(wire.MAGIC, wire.VERSION, json_len, 0)
+
+
+def _closed(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_a_hello_trickled_in_is_cut_at_the_handshake_deadline():
+    """A stranger announcing a large HELLO and sending a byte now and then holds no thread past the handshake's one
+    deadline (it was a timeout per read, reset by every byte)."""
+    rec = Recorder()
+    r = TcpKVReceiver(LAYOUT, on_layer=rec.on_layer, on_done=rec.on_done, on_failed=rec.on_failed, token=TOKEN,
+                      handshake_timeout_s=1.0)
+    try:
+        sock = socket.create_connection(wire.parse_endpoint(r.endpoint), timeout=5)
+        sock.sendall(_frame_start(4096))
+        start, closed = time.monotonic(), False
+        while time.monotonic() - start < 4 and not closed:
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                closed = True
+                break
+            closed = _closed(sock, 0.3)
+        assert closed and time.monotonic() - start < 2.5, "the trickling peer kept its connection"
+    finally:
+        r.close()
+
+
+def test_a_hello_header_larger_than_a_hello_is_refused_before_allocation(receiver):
+    r, _ = receiver
+    sock = socket.create_connection(wire.parse_endpoint(r.endpoint), timeout=5)
+    sock.sendall(_frame_start(wire.MAX_JSON_BYTES))  # allowed for data frames, far beyond any HELLO
+    assert _closed(sock, 2.0)
+
+
+def test_handshakes_pending_from_one_host_are_bounded_and_a_real_sender_pairs_after():
+    """Connections that never say HELLO: at most MAX_HANDSHAKES_PER_HOST hold a thread, the rest are closed at once;
+    once the idle ones reach their deadline a real sender pairs and its room completes."""
+    from pdserve.kv_transfer.tcp_receiver import MAX_HANDSHAKES_PER_HOST
+
+    rec = Recorder()
+    r = TcpKVReceiver(LAYOUT, on_layer=rec.on_layer, on_done=rec.on_done, on_failed=rec.on_failed, token=TOKEN,
+                      handshake_timeout_s=1.0)
+    idle = []
+    try:
+        threads_before = threading.active_count()
+        for _ in range(MAX_HANDSHAKES_PER_HOST + 24):
+            idle.append(socket.create_connection(wire.parse_endpoint(r.endpoint), timeout=5))
+        time.sleep(0.3)
+        assert threading.active_count() - threads_before <= MAX_HANDSHAKES_PER_HOST
+        assert r.refused_connections >= 24
+        time.sleep(1.2)  # the pending ones reach their handshake deadline
+        sender = TcpKVSender(LAYOUT, token=TOKEN)
+        try:
+            h = sender.begin(r.endpoint, 7, LAYERS)
+            r.expect(7, 5, [0, 1], LAYERS)
+            for layer in range(LAYERS):
+                h.send_layer(layer, torch.ones(5, KV_DIM))
+            h.finish({"first_token_id": 1, "cached_tokens": 0, "hidden": None, "rng_state": b""})
+            h.wait(timeout=5)
+        finally:
+            sender.close()
+        rec.wait_for(lambda: any(room == 7 for room, _ in rec.done))
+    finally:
+        for s in idle:
+            s.close()
+        r.close()
