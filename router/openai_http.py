@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 import jinja2
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError  # (not re-exported by aiohttp.web)
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdserve.serving.auth import SecurityConfig, token_accepted
@@ -238,6 +239,8 @@ def chat_messages(body: dict) -> list[dict]:
         if isinstance(content, list):  # content parts: text only
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            if any(not isinstance(p.get("text", ""), str) for p in content):
+                raise bad(f"messages[{i}].content: a text part's text must be a string", "messages")
             content = "".join(p.get("text", "") for p in content)
         if content is not None and not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
@@ -364,6 +367,11 @@ class OpenAIFrontend:
         except RecursionError:  # json's parser recurses once per nesting level
             raise bad("the body is not valid JSON that pdserve accepts: arrays or objects are nested too deeply") \
                 from None
+        except ValueError as e:  # (after the two above, also ValueErrors) an integer literal past Python's limit
+            raise bad(f"the body is not valid JSON that pdserve accepts: {str(e).split(':')[0]}") from None
+        except RequestPayloadError:  # a body its Content-Encoding does not describe (not gzip, say)
+            raise bad(f"the body cannot be decoded as its Content-Encoding "
+                      f"({request.headers.get('Content-Encoding', 'none')}) says") from None
         if not isinstance(body, dict):
             raise bad("the body must be a JSON object")
         model = body.get("model")

@@ -172,6 +172,24 @@ def test_error_bodies_for_bad_json_unknown_models_and_paths(stack, client, model
         assert resp.status == status and set(error) == {"message", "type", "param", "code"}, (path, error)
 
 
+def test_bad_client_input_the_red_team_sent_is_a_400_never_a_500(stack, model):
+    """A text part whose text is not a string, an integer literal past Python's 4300 digits, and a body that is
+    not gzip under `Content-Encoding: gzip` (each was a 500)."""
+    chat = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    cases = [("/v1/chat/completions", json.dumps(chat).encode(), {}, "messages"),
+             ("/v1/completions", b'{"model": "%s", "prompt": "hi", "max_tokens": %s}' % (model.encode(), b"7" * 5000),
+              {}, None),
+             ("/v1/completions", json.dumps({"model": model, "prompt": "hi"}).encode(), {"Content-Encoding": "gzip"},
+              None)]
+    for path, body, headers, param in cases:
+        conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=10)
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        error = json.loads(resp.read())["error"]
+        conn.close()
+        assert resp.status == 400 and error["param"] == param and "internal" not in error["message"], (path, error)
+
+
 # ---- a second router on the same workers: limits, API keys, client disconnects, drain ---------------------------
 @pytest.fixture(scope="module")
 def limited(stack, tiny_v3_dir, tmp_path_factory):
