@@ -32,7 +32,6 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 import jinja2
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError  # (not re-exported by aiohttp.web)
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdserve.serving.auth import SecurityConfig, token_accepted
@@ -369,7 +368,7 @@ class OpenAIFrontend:
                 from None
         except ValueError as e:  # (after the two above, also ValueErrors) an integer literal past Python's limit
             raise bad(f"the body is not valid JSON that pdserve accepts: {str(e).split(':')[0]}") from None
-        except RequestPayloadError:  # a body its Content-Encoding does not describe (not gzip, say)
+        except web.RequestPayloadError:  # a body its Content-Encoding does not describe (not gzip, say)
             raise bad(f"the body cannot be decoded as its Content-Encoding "
                       f"({request.headers.get('Content-Encoding', 'none')}) says") from None
         if not isinstance(body, dict):
