@@ -62,8 +62,8 @@ def test_forged_registrations_get_no_token_and_no_traffic(tiny_v3_dir, tmp_path)
             rejected = counters(stack.router, "pdserve_worker_registrations_rejected_total", "reason")
             assert rejected.get("unsigned", 0) >= 2 and rejected.get("signature", 0) >= 2, rejected
             log = stack.router.log()
-            warning = "ignoring worker registration pdserve:worker:decode:zz-evil"
-            assert log.count(warning) == 1, f"one warning per forged entry a minute, not one per refresh:\n{log}"
+            # One warning per kind of forgery a minute, naming an example, not one per entry or per refresh.
+            assert log.count("ignoring worker registrations that are not signed, e.g. pdserve:worker:") == 1, log
             c.close()
         finally:
             stack.stop()

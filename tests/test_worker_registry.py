@@ -152,3 +152,47 @@ def test_signed_registrations_and_what_a_router_refuses(redis_server):
     assert registration_problem(signed, "s3cret", now=signed["signed_at"] + 31) == "expired"
     reg.stop()
     c.close()
+
+
+def test_a_malformed_entry_is_skipped_and_named_never_stopping_discovery(redis_server):
+    """Redis data is untrusted: a signature no worker writes (a lone surrogate made the check raise on every
+    refresh, so no worker was ever found again), or fields of the wrong type, are skipped and reported; the real
+    worker is still found."""
+    reg = WorkerRegistration(redis_server.url, key_prefix="t", secret="s3cret").start(DECODE)
+    c = redis_server.client()
+    signed = json.loads(c.get("t:worker:decode:d0"))
+    c.set("t:worker:decode:zz-surrogate", '{"worker_id": "zz", "role": "decode", "address": "10.6.6.6:1", '
+                                          '"signed_at": %f, "signature": "\\udc80"}' % time.time())
+    c.set("t:worker:decode:zz-types", json.dumps({**signed, "worker_id": ["x"]}))
+    c.set("t:worker:decode:zz-address", json.dumps({**signed, "worker_id": "zz-address", "address": "a\nb"}))
+    rejected = []
+    found = discover_workers(c, "decode", "t", secret="s3cret",
+                             on_rejected=lambda k, why, _: rejected.append((k, why)))
+    assert [w["worker_id"] for w in found] == ["d0"]
+    assert sorted(rejected) == [("t:worker:decode:zz-address", "malformed"), ("t:worker:decode:zz-surrogate",
+                                                                            "signature"),
+                                ("t:worker:decode:zz-types", "malformed")]
+    reg.stop()
+    c.close()
+
+
+def test_an_unchanged_entry_is_verified_once(redis_server, monkeypatch):
+    """With the caller's `verified` dict, polls re-verify only entries whose content changed (thousands of forged
+    entries cost the router a core when each was verified every second); expiry is still applied on every poll."""
+    from pdserve.cluster import worker_registry
+
+    c = redis_server.client()
+    for i in range(50):
+        c.set(f"t:worker:decode:forged-{i}", json.dumps(sign_registration({**DECODE, "worker_id": f"f{i}"}, "guess")))
+    c.set("t:worker:decode:d0", json.dumps(sign_registration(DECODE, "s3cret")))
+    macs = []
+    real_mac = worker_registry._mac
+    monkeypatch.setattr(worker_registry, "_mac", lambda *a: macs.append(1) or real_mac(*a))
+    verified: dict = {}
+    for _ in range(3):
+        found = discover_workers(c, "decode", "t", secret="s3cret", verified=verified)
+        assert [w["worker_id"] for w in found] == ["d0"]
+    assert len(macs) == 51  # the first poll only
+    monkeypatch.setattr(worker_registry.time, "time", lambda: time.monotonic() + 1e9)  # long after: expired
+    assert discover_workers(c, "decode", "t", secret="s3cret", verified=verified) == []
+    c.close()

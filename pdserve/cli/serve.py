@@ -382,20 +382,26 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
 
         client = redis_client(args.redis_url)
         secret = getattr(args, "internal_token", None)
-        warned: dict[str, float] = {}
+        warned: dict[str, float] = {}  # reason -> when it was last logged
+        verified: dict[str, dict] = {"prefill": {}, "decode": {}}  # per role: entry content -> signature verdict
 
         def rejected(key: str, reason: str, info: dict) -> None:
-            # Never dialled, so never sent the token. One warning per entry a minute: the check runs every second.
+            # Never dialled, so never sent the token. One warning per reason a minute, however many entries: the
+            # check runs every second, and forged entries may be many.
             metrics.count(metrics.registrations_rejected, reason=reason)
-            if time.monotonic() - warned.get(key, -60.0) >= 60.0:
-                warned[key] = time.monotonic()
-                log.warning("ignoring worker registration %s (%s): %s, address %r", key, info.get("worker_id"),
-                            {"unsigned": "not signed", "signature": "signature does not verify with "
-                             "--internal-token", "expired": "signed too long ago"}[reason], info.get("address"))
+            if time.monotonic() - warned.get(reason, -60.0) >= 60.0:
+                warned[reason] = time.monotonic()
+                log.warning("ignoring worker registrations that are %s, e.g. %s (worker %r, address %r); "
+                            "pdserve_worker_registrations_rejected_total counts them", {
+                                "malformed": "malformed", "unsigned": "not signed",
+                                "signature": "signed with another --internal-token",
+                                "expired": "signed too long ago"}[reason], key, str(info.get("worker_id"))[:64],
+                            str(info.get("address"))[:64])
 
         def discover(role: str):
             try:
-                return [w["address"] for w in discover_workers(client, role, secret=secret, on_rejected=rejected)]
+                return [w["address"] for w in discover_workers(client, role, secret=secret, on_rejected=rejected,
+                                                               verified=verified[role])]
             except RegistryUnavailable:  # Redis away: keep the workers we know
                 metrics.count(metrics.redis_errors)
                 return None

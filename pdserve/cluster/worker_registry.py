@@ -55,16 +55,24 @@ def sign_registration(info: dict, secret: str, now: Optional[float] = None) -> d
 def registration_problem(info: dict, secret: str, now: Optional[float] = None,
                          max_age_s: float = SIGNATURE_MAX_AGE_S) -> Optional[str]:
     """None when info is signed with secret and fresh; else why not: "unsigned", "signature" or "expired"."""
+    return _signature_problem(info, secret) or _age_problem(info, now, max_age_s)
+
+
+def _signature_problem(info: dict, secret: str) -> Optional[str]:
     signature, signed_at = info.get("signature"), info.get("signed_at")
     if not isinstance(signature, str) or not isinstance(signed_at, (int, float)) or isinstance(signed_at, bool):
         return "unsigned"
+    if not signature.isascii():  # (a hex digest is; anything else cannot even be compared as bytes)
+        return "signature"
     fields = {k: v for k, v in info.items() if k != "signature"}
     if not hmac.compare_digest(signature.encode(), _mac(secret, fields).encode()):
         return "signature"
-    now = time.time() if now is None else now
-    if abs(now - signed_at) > max_age_s:
-        return "expired"
     return None
+
+
+def _age_problem(info: dict, now: Optional[float], max_age_s: float) -> Optional[str]:
+    now = time.time() if now is None else now
+    return "expired" if abs(now - info["signed_at"]) > max_age_s else None
 
 
 class WorkerRegistration:
@@ -142,13 +150,18 @@ def _glob_escape(text: str) -> str:
 
 def discover_workers(redis_or_url: Union[str, redis.Redis], role: str, key_prefix: str = "pdserve",
                      socket_timeout: float = 0.5, secret: Optional[str] = None,
-                     on_rejected: Optional[Callable[[str, str, dict], None]] = None) -> list[dict]:
+                     on_rejected: Optional[Callable[[str, str, dict], None]] = None,
+                     verified: Optional[dict] = None) -> list[dict]:
     """Info dicts of the registered workers of `role`, sorted by worker_id; malformed entries are skipped.
 
-    With `secret`, only entries signed with it and fresh are returned; each other one is passed to
-    on_rejected(key, reason, info) (reason: "unsigned", "signature", "expired"). Pass a client to reuse its
-    connections when polling; a URL opens and closes one per call. Uses SCAN (never KEYS, which blocks Redis).
-    Raises RegistryUnavailable when Redis cannot be reached."""
+    Every entry is untrusted input: one that does not parse, or holds values no worker writes, is skipped (and,
+    with `secret`, passed to on_rejected as "malformed"); it never stops the others from being read. With `secret`,
+    only entries signed with it and fresh are returned; each other one is passed to on_rejected(key, reason, info)
+    (reason: "malformed", "unsigned", "signature", "expired"). `verified`: a dict the caller keeps between polls,
+    where each entry's signature verdict is kept by its exact content, so an unchanged entry is not verified again
+    (bounded by the caller's entries). Pass a client to reuse its connections when polling; a URL opens and closes
+    one per call. Uses SCAN (never KEYS, which blocks Redis). Raises RegistryUnavailable when Redis cannot be
+    reached."""
     if role not in ROLES:
         raise ValueError(f"role={role!r} must be one of {', '.join(ROLES)}")
     own = isinstance(redis_or_url, str)
@@ -161,21 +174,36 @@ def discover_workers(redis_or_url: Union[str, redis.Redis], role: str, key_prefi
     finally:
         if own:
             client.close()
+    if verified is not None and len(verified) > 4 * len(values) + 1024:
+        verified.clear()  # entries that are gone
     workers = []
     for key, raw in zip(keys, values):
         if raw is None:
             continue  # expired between SCAN and MGET
+        name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
         try:
             info = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             info = None
-        if not isinstance(info, dict) or not isinstance(info.get("address"), str) or not info.get("worker_id"):
+        if not (isinstance(info, dict) and isinstance(info.get("address"), str) and info["address"].isprintable()
+                and isinstance(info.get("worker_id"), (str, int)) and info["worker_id"] != ""):
             log.debug("skipping malformed worker registration %r", key)
+            if secret and on_rejected is not None:
+                on_rejected(name, "malformed", info if isinstance(info, dict) else {})
             continue
-        problem = registration_problem(info, secret) if secret else None
+        problem = None
+        if secret:
+            try:
+                cached = verified.get(raw, ()) if verified is not None else ()
+                problem = cached if cached != () else _signature_problem(info, secret)
+                if verified is not None:
+                    verified[raw] = problem
+                problem = problem or _age_problem(info, None, SIGNATURE_MAX_AGE_S)
+            except (ValueError, TypeError, UnicodeError, RecursionError):  # values no worker writes
+                problem = "malformed"
         if problem is not None:
             if on_rejected is not None:
-                on_rejected(key.decode(errors="replace") if isinstance(key, bytes) else str(key), problem, info)
+                on_rejected(name, problem, info)
             continue
         workers.append(info)
     return sorted(workers, key=lambda w: str(w["worker_id"]))
