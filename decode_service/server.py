@@ -1,39 +1,48 @@
-"""The decode worker process: the gRPC DecodeWorker service (Reserve, DecodeStream) over the worker's engine side
-(engine_side.py: the engine, its thread, and the KV receiver prefill workers stream into), on a thread of this
-process or in an engine process of its own (--engine-process)."""
+"""The decode worker process: the gRPC DecodeWorker service (Reserve, DecodeStream) over a DecodeWorker, whose
+DecodeEngine runs on its own thread (EngineLoop) beside the KV receiver prefill workers stream into.
+
+    DecodeServicer -> DecodeWorker (EngineLoop) -> DecodeEngine (StepHooks) -> LLMEngine
+
+The servicer converts messages and maps errors; the worker hands commands to the engine thread and the engine's
+outputs to the event loop (StreamHub, streams.py); the engine owns each request's phase (engine.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import grpc
 
 from pdserve.common.trace import mark
-from pdserve.engine import EngineConfig
-from pdserve.kv_transfer import check_transport_device
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_transfer import KVTransferError, RequestReceiver, TRANSPORTS, check_transport_device
 from pdserve.serving.auth import SecurityConfig, internal_auth
-from pdserve.serving.engine_link import EngineOnThread, EngineProcess
+from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
-    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving, stop_on_signals,
+    Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
 )
-from pdserve.serving.metrics import Metrics
+from pdserve.serving.metrics import Metrics, SpecMetrics
 from pdserve.serving.rpc_convert import layout_to_proto, sampling_from_proto
-from pdserve.serving.worker_common import WorkerControl, WorkerIdentity
+from pdserve.serving.warmup import WarmupReport, warm_up_worker
+from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from .engine_side import DecodeEngineSide, DecodeSideInfo, build_in_engine_process
+from .engine import DecodeEngine, DecodeRequest, Items, Phase
+from .pacing import DecodePacing
 from .streams import Connection, StreamHub
 
 log = logging.getLogger(__name__)
 # A reservation that no DecodeStream call has attached this long after Reserve answered is released: the router
 # attaches right after the answer, so its absence means the request ended (deadline, cancel, router gone).
 RESERVATION_ATTACH_S = 1.0
+# The requests_total outcome of each way a request ends.
+OUTCOMES = {Phase.DONE: "finished", Phase.CANCELLED: "aborted", Phase.FAILED: "failed"}
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,6 @@ class DecodeWorkerConfig:
     # On a GPU shared with the prefill worker, fewer and fuller decode steps leave it more of the GPU.
     min_step_interval_s: float = 0.0
     gpu_share_while_prefilling: float = 1.0
-    test_hook_slow_first_forward_s: float = 0.0  # TEST HOOK: the first forward sleeps this long (a cold compile)
-    test_hook_slow_kv_arrival_s: float = 0.0  # TEST HOOK: each prompt's received KV waits this long (a slow transfer)
 
     def __post_init__(self) -> None:
         if not self.min_step_interval_s >= 0:
@@ -66,34 +73,120 @@ class DecodeWorkerConfig:
 
 
 class DecodeWorker:
-    """The decode worker's gRPC side: the streams of the requests reserved here, over an engine side
-    (engine_side.py) reached through `engine`, a link (pdserve/serving/engine_link.py): on a thread of this process,
-    or in a process of its own."""
+    """The engine (a DecodeEngine over an LLMEngine, on the EngineLoop's thread), the KV receiver, pacing, and the
+    streams of the requests reserved here (StreamHub, on the event loop)."""
 
-    def __init__(self, config: DecodeWorkerConfig, identity: WorkerIdentity, metrics: Metrics, engine):
-        """Blocks until the engine side is built and warmed up (`decode_engine` makes `engine`)."""
+    def __init__(self, config: DecodeWorkerConfig, identity: WorkerIdentity, metrics: Metrics,
+                 core: Optional[LLMEngine] = None):
         self.config, self.identity, self.metrics = config, identity, metrics
-        self.engine = engine
-        info: DecodeSideInfo = engine.wait_ready()  # model load and warm-up: ready means ready
-        self.layout, self.kv_endpoint, self.skip_mtp_kv = info.layout, info.kv_endpoint, info.skip_mtp_kv
-        self.model, self.warmup_report, self.last_load = info.model, info.warmup, info.load
+        self.core = core or LLMEngine(config.engine)
+        self.core.spec_observer = SpecMetrics(metrics)  # pdserve_spec_* histograms (recorded only when speculating)
+        self.warmup_report: Optional[WarmupReport] = None
+        self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)
+        # Without speculation nothing reads the NextN/MTP layer's KV: requests ask the prefill worker for the main
+        # model's layers only (ReserveResponse.skip_mtp_kv), sparing it a whole layer's prompt pass.
+        self.skip_mtp_kv = self.core.model.has_mtp_weights and self.core.speculator is None
+        # Receiver callbacks run on its threads: they only queue work for the engine thread.
+        self.receiver = RequestReceiver(
+            TRANSPORTS.get(config.kv_transport).receiver, self.layout, host=config.kv_host, port=config.kv_port,
+            on_layer=lambda rid, layer, slots, values: self.loop.submit(
+                lambda: self.engine.kv_layer(rid, layer, slots, values)),
+            on_done=self._kv_arrived,
+            on_failed=lambda rid, err: self.loop.submit(lambda: self.engine.kv_failed(rid, err)),
+            timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
+            max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size,
+            kv_buffer=self.core.pool.kv)  # nccl/gloo/cuda_ipc write straight into the pool's pages; tcp too
+        self.kv_endpoint = self.receiver.endpoint
+        layers = self.core.model_config.num_hidden_layers if self.skip_mtp_kv else self.layout.num_kv_layers
+        self.engine = DecodeEngine(self.core, self.receiver, layers, deliver=self._deliver, on_end=self._ended,
+                                   max_queued=config.max_queued_requests)
+        self.pacing = DecodePacing(self.core, config.min_step_interval_s, config.gpu_share_while_prefilling, metrics)
+        self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
+                               on_error=self._step_failed, hold=self._hold if self.pacing.active else None,
+                               idle=self.engine.send_unsent)
         # Request id -> where its outputs go (a router's DecodeStream call); touched only on the event loop.
         self.streams = StreamHub(metrics, on_attached=self._attached, on_detached=self._detached)
         self.drain: Optional[Drain] = None  # attached requests count as work in flight for a graceful drain
-        self.engine_gone: Optional[str] = None  # why, once the engine process has exited
+        self._aio_loop: Optional[asyncio.AbstractEventLoop] = None
+        self.last_load = self.load()  # read here, before the engine thread starts
 
-    def start(self, loop: asyncio.AbstractEventLoop, on_engine_gone: Callable[[], None] = lambda: None) -> None:
-        def gone(why: str) -> None:
-            log.error("%s: failing the requests on this worker and stopping it", why)
-            self.engine_gone = why
-            self.streams.fail_all(ServiceError(grpc.StatusCode.UNAVAILABLE, "the decode worker's engine exited"))
-            on_engine_gone()
+    def warm_up(self) -> None:
+        """Before the port opens (pdserve/serving/warmup.py), unless the config skips it: ready means ready."""
+        if self.config.warmup:
+            self.warmup_report = warm_up_worker(self.core, "decode")
+            self.last_load = self.load()
 
-        self.engine.start(loop, self.streams.deliver, self.streams.fail_all, gone)
+    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio_loop = aio_loop
+        self.loop.start()
 
+    async def stop(self) -> None:
+        self.loop.stop()
+        self.receiver.close()
+
+    # ---- engine thread -------------------------------------------------------------------------------------------------
+    def _kv_arrived(self, request_id: str, aux: dict) -> None:
+        """The receiver's thread: a prompt's KV and aux record are in; the engine thread admits the request."""
+        mark("decode.kv_arrived", request_id)
+        self.loop.submit(lambda: self.engine.kv_done(request_id, aux))
+
+    def _hold(self) -> float:
+        """Seconds the next step waits (pacing.py): only while prompts are being prefilled for this worker; with
+        none on its way the steps run back to back."""
+        if not self.engine.awaiting_kv:
+            return 0.0
+        wait = self.pacing.hold(time.monotonic())
+        if wait > 0:
+            self.engine.send_unsent()  # no round runs meanwhile to send them from
+        return wait
+
+    def _step(self) -> None:
+        self.pacing.step_started(time.monotonic())
+        rows = len(self.core.scheduler.running)
+        self.engine.step()
+        self.pacing.step_launched(rows, self.engine.awaiting_kv)
+        self._update_gauges()
+
+    def _step_failed(self, error: BaseException) -> None:
+        # NOTE: the exception's text stays in the log (EngineLoop logged the traceback), never in a response.
+        self.engine.fail_all(ServiceError(grpc.StatusCode.INTERNAL,
+                                          "decode step failed (the decode worker's log has the details)"))
+        self._update_gauges()
+
+    def drop(self, request_id: str) -> None:
+        """The request goes; the gauges follow at once (an idle engine runs no step that would refresh them)."""
+        self.engine.abort(request_id)
+        self._update_gauges()
+
+    def load(self) -> pb.WorkerLoad:
+        sched, alloc = self.core.scheduler, self.core.pool.allocator
+        return pb.WorkerLoad(num_running_requests=len(sched.running), num_waiting_requests=len(sched.waiting),
+                             num_free_pages=alloc.num_free, num_total_pages=alloc.num_pages,
+                             num_transferring=self.engine.num_transferring)
+
+    def _update_gauges(self) -> None:
+        sched, alloc = self.core.scheduler, self.core.pool.allocator
+        self.metrics.running.set(len(sched.running))
+        self.metrics.queue_length.set(self.engine.num_transferring)
+        self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
+
+    def _deliver(self, items: Items) -> None:
+        """A step's outputs (and failures) to the event loop, in one hand-off."""
+        self._aio_loop.call_soon_threadsafe(self.streams.deliver, items)
+
+    def _ended(self, r: DecodeRequest) -> None:
+        m = self.metrics
+        m.count(m.requests, outcome=OUTCOMES[r.phase])
+        if r.phase is Phase.DONE:
+            m.e2e.observe(time.monotonic() - r.arrival_time)
+        elif isinstance(r.error, KVTransferError):
+            transport = getattr(r.error, "transport", None) or self.config.kv_transport  # the pairing's, if known
+            m.count(m.transfer_failures, kind=r.error.kind, transport=transport)
+
+    # ---- event loop ------------------------------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
-        """Drop a request on the engine side (its pages go, its gauges follow)."""
-        self.engine.tell("drop", request_id)
+        """Drop a request on the engine thread (its pages go, its gauges follow)."""
+        self.loop.submit(lambda: self.drop(request_id))
 
     def _attached(self, request_id: str) -> None:
         if self.drain is not None:
@@ -103,32 +196,19 @@ class DecodeWorker:
         if self.drain is not None:
             self.drain.in_flight -= 1
         if not finished:  # its call went away or the router cancelled it: free the pages now
-            self.metrics.count(self.metrics.requests, outcome="aborted")
             self.abort(request_id)
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(worker_id=self.identity.worker_id, role=pb.WORKER_ROLE_DECODE,
                              address=self.identity.address, layout=layout_to_proto(self.layout),
-                             model=gen_pb.ModelInfo(**self.model), kv_endpoint=self.kv_endpoint)
-
-
-def decode_engine(config: DecodeWorkerConfig, metrics: Metrics, in_process: bool, setup=None):
-    """The link to a decode worker's engine side: in an engine process of its own (`in_process`; `setup()` runs
-    there first), or on a thread of this one."""
-    if in_process:
-        return EngineProcess(functools.partial(build_in_engine_process, config), "decode-engine", metrics, setup)
-    return EngineOnThread(DecodeEngineSide(config, metrics))
+                             model=gen_pb.ModelInfo(**model_info(self.core)), kv_endpoint=self.kv_endpoint)
 
 
 class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
+    """Thin: converts messages, hands work to the engine thread, maps errors to status codes."""
+
     def __init__(self, worker: DecodeWorker):
         self.w = worker
-
-    def engine_abort(self, request_id: str) -> asyncio.Future:
-        return self.w.engine.call("abort", request_id)
-
-    def engine_load(self) -> asyncio.Future:
-        return self.w.engine.call("load")
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         w = self.w
@@ -141,18 +221,15 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             ids = list(request.input_ids)
             rid = request.request_id
             mark("decode.reserve", rid)
-            try:
-                t = await w.engine.call("reserve", rid, ids, params)
-            except asyncio.CancelledError:  # the call ended: the reservation, made or not, goes after it
-                w.abort(rid)
-                raise
+            # (A call that ends meanwhile has its reservation, made or not, dropped after it.)
+            r = await on_engine_thread(w.loop, lambda: w.engine.reserve(rid, ids, params), lambda: w.drop(rid))
         except (ServiceError, ValueError) as e:
             w.metrics.count(w.metrics.requests, outcome="rejected")
             await abort_with(context, e)
         # Registered before any output can exist: outputs are produced only after the KV arrives.
         stream = w.streams.open(rid)
         asyncio.get_running_loop().call_later(RESERVATION_ATTACH_S, self._release_unattached, stream)
-        return pb.ReserveResponse(room=t.room, kv_endpoint=w.kv_endpoint, dst_pages=t.pages,
+        return pb.ReserveResponse(room=r.room, kv_endpoint=w.kv_endpoint, dst_pages=r.pages,
                                   layout=layout_to_proto(w.layout), skip_mtp_kv=w.skip_mtp_kv)
 
     async def DecodeStream(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -191,13 +268,13 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
         w.streams.drop(stream.request_id, finished=True)
         log.info("request %s: no DecodeStream call attached it within %g s of its reservation; releasing it",
                  stream.request_id, RESERVATION_ATTACH_S)
-        w.metrics.count(w.metrics.requests, outcome="aborted")
         w.abort(stream.request_id)
 
 
 async def serve_decode(worker: DecodeWorker, ready=None) -> None:
-    """Run the worker (built and warmed up: ready means ready) until SIGTERM/SIGINT, or until its engine process
-    exits, then drain: no new reservations, streams in flight finish."""
+    """Warm up, then run the worker's gRPC server until SIGTERM/SIGINT, then drain: no new reservations, streams in
+    flight finish (see grpc_shell.serve_until_signal). The port opens only after the warm-up: ready means ready."""
+    worker.warm_up()
     sec = worker.config.security
     # Work in flight for the drain: Reserve calls, and each request attached to a DecodeStream call.
     worker.drain = Drain(tracked={"Reserve"}, refused={"Reserve", "GetLoad"})
@@ -206,9 +283,8 @@ async def serve_decode(worker: DecodeWorker, ready=None) -> None:
                                  lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), s),
                                  interceptors=internal_auth(sec), drain=worker.drain,
                                  credentials=sec.server_credentials())
-    stop = stop_on_signals()
-    worker.start(asyncio.get_running_loop(), on_engine_gone=stop.set)
+    worker.start(asyncio.get_running_loop())
     await start_serving(server)
     if ready is not None:
         ready(port)
-    await serve_until_signal(server, worker.config.drain_timeout_s, worker.engine.stop, stop=stop)
+    await serve_until_signal(server, worker.config.drain_timeout_s, worker.stop)

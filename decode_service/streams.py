@@ -8,7 +8,9 @@ one DecodeStreamResponse (a request appears once per message: the steps a slow r
 and per request there is no gRPC message, no task and no future: at batch 32 those cost the engine's thread more
 than a decode step on a GPU (they share one GIL).
 
-Everything here runs on the event loop.
+What a request's stream holds is where its outputs go (the call, or the outputs kept until one attaches) and when
+its last token was sent; the request's phase is the engine thread's (engine.py). Everything here runs on the event
+loop.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ class Connection:
 @dataclass
 class RequestStream:
     request_id: str
-    arrival_time: float
     conn: Optional[Connection] = None
     early: list = field(default_factory=list)  # outputs produced before a call attached the request
     last_token_time: Optional[float] = None
@@ -77,7 +78,7 @@ class StreamHub:
         return self.streams.get(request_id)
 
     def open(self, request_id: str) -> RequestStream:
-        stream = self.streams[request_id] = RequestStream(request_id, time.monotonic())
+        stream = self.streams[request_id] = RequestStream(request_id)
         return stream
 
     def attach(self, conn: Connection, request_id: str) -> bool:
@@ -125,9 +126,6 @@ class StreamHub:
         if stream is not None and stream.conn is conn:
             self.drop(request_id, finished=False)
 
-    def fail_all(self, error: BaseException) -> None:
-        self.deliver([(request_id, error) for request_id in self.streams])
-
     def close(self, conn: Connection) -> None:
         """The call ended: every request still on it is cancelled."""
         for request_id in list(conn.request_ids):
@@ -136,7 +134,7 @@ class StreamHub:
     # ---- one message per batch ---------------------------------------------------------------------------------
     def message(self, items: list[tuple[str, object]]) -> pb.DecodeStreamResponse:
         """The DecodeStreamResponse for a batch: one update per request, its outputs merged; a request that
-        finished or failed leaves the hub here."""
+        finished or failed leaves the hub here (the engine counted how it ended)."""
         merged: dict[str, pb.DecodeUpdate] = {}
         m = self.metrics
         now = time.monotonic()
@@ -150,7 +148,6 @@ class StreamHub:
                 continue  # ended earlier in this batch, or cancelled
             if not isinstance(item, RequestOutput):
                 merged[request_id] = _failed_update(request_id, item)
-                m.count(m.requests, outcome="failed")
                 self.drop(request_id, finished=True)
                 continue
             update = merged.get(request_id)
@@ -170,8 +167,6 @@ class StreamHub:
             if item.finished:
                 update.finish_reason = finish_to_proto(item.finish_reason)
                 update.usage.CopyFrom(usage_to_proto(item.prompt_tokens, item.cached_tokens, len(item.output_ids)))
-                m.e2e.observe(now - stream.arrival_time)
-                m.count(m.requests, outcome="finished")
                 self.drop(request_id, finished=True)
         if generated:
             m.count(m.generated_tokens, generated)

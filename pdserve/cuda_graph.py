@@ -22,7 +22,9 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.forward_batch import ForwardBatch, ForwardMode
-from pdserve.gpu_clock import ReplayClock
+
+# (family: (MTP runner?, draft chain?), rows, graph) -> None; must replay the graph.
+ReplayHook = Callable[[tuple, int, torch.cuda.CUDAGraph], None]
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,9 @@ class DecodeGraphRunner:
         self.max_pages = max_pages_per_seq
         self.graphs: dict[int, _Graph] = {}
         self.replays = 0  # run() calls since capture (tests and benchmarks check the graphs are used)
-        self.clock: Optional[ReplayClock] = None  # when set, every replay is timed (a paced decode worker's)
+        # When set, every replay goes through it instead of graph.replay() (it must replay the graph): a tier's way to
+        # observe its replays without this runner knowing why.
+        self.replay_hook: Optional[ReplayHook] = None
         self.mempool = torch.cuda.graph_pool_handle()
         start = time.monotonic()
         for bs in reversed(config.buckets()):  # largest first: later graphs reuse its memory pool
@@ -214,8 +218,8 @@ class DecodeGraphRunner:
         return hidden, self.model.logits(hidden)
 
     def _replay(self, family: tuple, rows: int, graph: torch.cuda.CUDAGraph) -> None:
-        if self.clock is not None:  # family: (MTP runner?, draft chain?)
-            self.clock.replay(family, rows, graph)
+        if self.replay_hook is not None:
+            self.replay_hook(family, rows, graph)
         else:
             graph.replay()
         self.replays += 1

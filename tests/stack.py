@@ -11,6 +11,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,6 +25,15 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
+HOOKS_DIR = REPO / "tests" / "hooks"
+
+
+def hooks_env(**variables: float) -> dict[str, str]:
+    """The environment that turns test hooks on in a process a test starts (tests/hooks/sitecustomize.py lists
+    them): the hooks' folder first on PYTHONPATH, and each hook's variable, e.g.
+    `hooks_env(PDTEST_DECODE_SLOW_KV_ARRIVAL_S=2)`."""
+    path = os.pathsep.join(p for p in (str(HOOKS_DIR), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, **{name: str(value) for name, value in variables.items()}}
 
 
 _HANDED_OUT: set[int] = set()
@@ -69,13 +79,14 @@ class Proc:
             self.popen.wait(5)
 
 
-def spawn(role: str, args: list[str], log_dir: Path, name: str) -> Proc:
-    """Start a pdserve process on free ports without waiting for it (see `wait_serving`)."""
+def spawn(role: str, args: list[str], log_dir: Path, name: str, env: Optional[dict[str, str]] = None) -> Proc:
+    """Start a pdserve process on free ports without waiting for it (see `wait_serving`); env: variables added to
+    this process's environment (`hooks_env`)."""
     port, mport = free_port(), free_port()
     log_path = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--metrics-port", str(mport), *args]
     popen = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     return Proc(role, f"127.0.0.1:{port}", popen, mport, log_path)
 
 
@@ -85,9 +96,10 @@ def start(role: str, args: list[str], log_dir: Path, name: str, timeout_s: float
     return proc
 
 
-def start_all(specs: list[tuple[str, list[str], str]], log_dir: Path, timeout_s: float = 90.0) -> list[Proc]:
-    """Start (role, args, name) processes side by side (their model loads overlap), then wait for each."""
-    procs = [spawn(role, args, log_dir, name) for role, args, name in specs]
+def start_all(specs: list[tuple], log_dir: Path, timeout_s: float = 90.0) -> list[Proc]:
+    """Start (role, args, name) or (role, args, name, env) processes side by side (their model loads overlap), then
+    wait for each."""
+    procs = [spawn(spec[0], spec[1], log_dir, spec[2], spec[3] if len(spec) > 3 else None) for spec in specs]
     try:
         for proc in procs:
             wait_serving(proc, timeout_s)
@@ -152,15 +164,19 @@ def metric(port: int, name: str, **labels) -> float:
 
 
 def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(), redis_url=None,
-                decode_args=(), router_args=(), timeout_s: float = 90.0) -> Stack:
-    """timeout_s: how long each worker may take to start (GPU workers warm up first)."""
+                decode_args=(), router_args=(), timeout_s: float = 90.0, prefill_env: Optional[dict] = None,
+                decode_env: Optional[dict] = None) -> Stack:
+    """timeout_s: how long each worker may take to start (GPU workers warm up first). prefill_env, decode_env: added
+    to the environment of those workers (`hooks_env`)."""
     common = ["--model", str(model_dir), "--page-size", "4", "--num-pages", "512", *engine_args]
     if redis_url:
         common += ["--redis-url", redis_url]
     # The workers start side by side (each spends seconds importing torch and loading the model); the router
     # after them, so that its first poll finds every worker serving.
-    specs = [("prefill", [*common, "--worker-id", f"prefill-{i}"], f"prefill-{i}") for i in range(n_prefill)]
-    specs += [("decode", [*common, *decode_args, "--worker-id", f"decode-{i}"], f"decode-{i}") for i in range(n_decode)]
+    specs = [("prefill", [*common, "--worker-id", f"prefill-{i}"], f"prefill-{i}", prefill_env)
+             for i in range(n_prefill)]
+    specs += [("decode", [*common, *decode_args, "--worker-id", f"decode-{i}"], f"decode-{i}", decode_env)
+              for i in range(n_decode)]
     procs = start_all(specs, log_dir, timeout_s)
     prefill, decode = procs[:n_prefill], procs[n_prefill:]
     workers = []

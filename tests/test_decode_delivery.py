@@ -1,4 +1,4 @@
-"""When a decode worker's engine side hands its tokens over (DecodeEngineSide._step, StepHooks.before_device_wait).
+"""When a decode worker's engine hands its tokens over (DecodeEngine.step, its StepHooks.before_device_wait).
 
 Without speculation the overlap scheduler already hands a step's tokens over while the GPU runs the next step. A
 speculative round has no such overlap: its one device-to-host read is a plain wait. So a round's outputs are held
@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine import EngineConfig, LLMEngine, StepHooks
-from pdserve.gpu_clock import ReplayClock
+from pdserve.decode_service.server import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kv_cache import CacheConfig
 from pdserve.sampling import SamplingParams
 from pdserve.serving.metrics import Metrics
+from pdserve.serving.worker_common import WorkerIdentity
 from pdserve.spec_decode import SpeculativeConfig
-
-from decode_service.engine_side import DecodeEngineSide
-from decode_service.server import DecodeWorkerConfig
 
 NEXTN = SpeculativeConfig("NEXTN", num_steps=3)
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport"]
@@ -32,7 +30,8 @@ def config(model_dir, speculative: SpeculativeConfig = SpeculativeConfig()) -> E
 
 
 class RecordingOutbox:
-    """Stands for the side's outbox: records each hand-off, and whether a round's device wait made it."""
+    """Stands for the event loop the engine hands its outputs to: records each hand-off, and whether a round's
+    device wait made it."""
 
     def __init__(self):
         self.in_wait = False
@@ -41,23 +40,28 @@ class RecordingOutbox:
     def deliver(self, items) -> None:
         self.handoffs.append((self.in_wait, [out for _, out in items]))
 
-    def flush(self) -> None:
-        pass
 
-
-def side(model_dir, speculative: SpeculativeConfig = SpeculativeConfig()) -> DecodeEngineSide:
-    s = DecodeEngineSide(DecodeWorkerConfig(config(model_dir, speculative), warmup=False), Metrics.create("decode"))
-    s.outbox = RecordingOutbox()
-    return s
+@pytest.fixture
+def worker(cleanup):
+    """worker(model_dir, speculative) -> a DecodeWorker (not started) whose engine hands its outputs to a
+    RecordingOutbox (`worker.outbox`)."""
+    def make(model_dir, speculative: SpeculativeConfig = SpeculativeConfig()) -> DecodeWorker:
+        w = DecodeWorker(DecodeWorkerConfig(config(model_dir, speculative), warmup=False),
+                         WorkerIdentity("decode-test", "decode", "127.0.0.1:0"), Metrics.create("decode"))
+        cleanup(w.receiver)
+        w.outbox = RecordingOutbox()
+        w.engine.deliver = w.outbox.deliver
+        return w
+    return make
 
 
 def test_a_speculating_decode_worker_hands_a_rounds_tokens_over_during_the_next_rounds_device_wait(
-        trained_model_dir):
+        trained_model_dir, worker):
     engine = LLMEngine(config(trained_model_dir))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in LENGTHS]
     want = {i: o.output_ids for i, o in enumerate(engine.generate([engine.encode(p) for p in PROMPTS], params))}
 
-    worker = side(trained_model_dir, NEXTN)
+    worker = worker(trained_model_dir, NEXTN)
     loop = worker.outbox
     hooks, send = worker.core.hooks, worker.core.hooks.before_device_wait
 
@@ -70,8 +74,8 @@ def test_a_speculating_decode_worker_hands_a_rounds_tokens_over_during_the_next_
     ids = {worker.core.add_request(worker.core.encode(p), sp): i for i, (p, sp) in enumerate(zip(PROMPTS, params))}
     while worker.engine.has_work:
         worker._step()
-    worker._idle()  # what the engine loop calls when it finds no work: nothing may be left by then
-    assert not worker._unsent
+    worker.engine.send_unsent()  # what the engine loop calls when it finds no work: nothing may be left by then
+    assert not worker.engine._unsent
 
     got: dict[int, list[int]] = {i: [] for i in want}
     for _, outputs in loop.handoffs:
@@ -86,41 +90,15 @@ def test_a_speculating_decode_worker_hands_a_rounds_tokens_over_during_the_next_
     assert loop.handoffs[first_done][0]
 
 
-def test_without_speculation_a_step_hands_its_tokens_over_at_once(tiny_v3_dir):
+def test_without_speculation_a_step_hands_its_tokens_over_at_once(tiny_v3_dir, worker):
     """The overlap scheduler's steps already overlap the hand-off with the GPU: nothing is held."""
-    worker = side(tiny_v3_dir)
-    assert type(worker.core.hooks) is StepHooks
+    worker = worker(tiny_v3_dir)
+    assert worker.core.speculator is None and worker.core.hooks is worker.engine
     loop = worker.outbox
     worker.core.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True))
     steps = 0
     while worker.engine.has_work:
         worker._step()
         steps += 1
-        assert not worker._unsent
+        assert not worker.engine._unsent
     assert sum(len(o.new_token_ids) for _, outs in loop.handoffs for o in outs) == 6 and len(loop.handoffs) <= steps
-
-
-class FakeEvent:
-    def __init__(self, t: float):
-        self.t = t
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: "FakeEvent") -> float:
-        return (end.t - self.t) * 1e3
-
-
-@pytest.mark.parametrize("scale, want_ms", [(1.0, 2 + 1 + 3), (1.5, 3 + 2 + 3), (0.25, 1 + 1 + 1)])
-def test_the_replay_clock_charges_each_replay_at_the_smallest_timed_graph_with_the_rows_scaled(scale, want_ms):
-    """ReplayClock.take_launched's look-up (a sorted list per family, kept as graphs get timed), without a GPU:
-    replays of the 8-, 4- and 16-row graphs, each charged at the smallest timed graph with scale x its rows (the
-    largest when none has as many)."""
-    clock = ReplayClock()
-    for rows, ms in ((8, 2.0), (4, 1.0), (16, 3.0)):
-        clock._in_flight.append((("target", rows), FakeEvent(0.0), FakeEvent(ms / 1e3)))
-        clock._launched.append(("target", rows))
-    clock._in_flight.append((("target", 4), FakeEvent(0.0), FakeEvent(5e-3)))  # slower than its fastest: not kept
-    clock._in_flight.append((("draft", 64), FakeEvent(0.0), FakeEvent(9e-3)))  # another family: not looked at
-    assert clock.take_launched(scale) == pytest.approx(want_ms / 1e3)
-    assert clock.fastest_s[("target", 4)] == pytest.approx(1e-3)

@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from decode_service.pacing import REPLAY_WINDOW, StepPacer
+from decode_service.replay_clock import ReplayClock
 from golden import GREEDY, PROMPTS
 from pdserve.serving.engine_loop import EngineLoop
-from stack import metric, start_stack
+from stack import hooks_env, metric, start_stack
 from test_first_token import timed_chunks
 
 
@@ -104,6 +105,32 @@ def test_a_held_engine_loop_spaces_its_steps_and_still_runs_commands_at_once():
     assert gaps[-1] < interval / 2, gaps
 
 
+class FakeEvent:
+    def __init__(self, t: float):
+        self.t = t
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+@pytest.mark.parametrize("scale, want_ms", [(1.0, 2 + 1 + 3), (1.5, 3 + 2 + 3), (0.25, 1 + 1 + 1)])
+def test_the_replay_clock_charges_each_replay_at_the_smallest_timed_graph_with_the_rows_scaled(scale, want_ms):
+    """ReplayClock.take_launched's look-up (a sorted list per family, kept as graphs get timed), without a GPU:
+    replays of the 8-, 4- and 16-row graphs, each charged at the smallest timed graph with scale x its rows (the
+    largest when none has as many)."""
+    clock = ReplayClock()
+    for rows, ms in ((8, 2.0), (4, 1.0), (16, 3.0)):
+        clock._in_flight.append((("target", rows), FakeEvent(0.0), FakeEvent(ms / 1e3)))
+        clock._launched.append(("target", rows))
+    clock._in_flight.append((("target", 4), FakeEvent(0.0), FakeEvent(5e-3)))  # slower than its fastest: not kept
+    clock._in_flight.append((("draft", 64), FakeEvent(0.0), FakeEvent(9e-3)))  # another family: not looked at
+    assert clock.take_launched(scale) == pytest.approx(want_ms / 1e3)
+    assert clock.fastest_s[("target", 4)] == pytest.approx(1e-3)
+
+
 @dataclasses.dataclass
 class AThenB:
     """Request A's tokens, its gaps while it decoded alone and while B was on its way, and B's tokens."""
@@ -137,8 +164,8 @@ def test_a_paced_decode_worker_spaces_its_steps_only_while_a_prompt_is_on_its_wa
     """Request A decodes; request B is reserved on the same decode worker, its KV held back 2 s (the test hook for a
     slow transfer). While B is on its way A's tokens come at most every INTERVAL; before it, at once."""
     interval_s, kv_delay_s = 0.3, 2.0
-    stack = start_stack(tiny_v3_dir, tmp_path, decode_args=["--min-step-interval-ms", str(interval_s * 1e3),
-                                                            "--test-hook-slow-kv-arrival", str(kv_delay_s)])
+    stack = start_stack(tiny_v3_dir, tmp_path, decode_args=["--min-step-interval-ms", str(interval_s * 1e3)],
+                        decode_env=hooks_env(PDTEST_DECODE_SLOW_KV_ARRIVAL_S=kv_delay_s))
     outputs, _ = reference
     try:
         run = a_then_b(stack, 300, kv_delay_s)

@@ -1,5 +1,6 @@
 """The first token reaches the client with the prefill worker's answer, not after the decode worker received the KV
-(router/first_token.py). A decode worker whose KV arrivals wait DELAY_S (a test hook standing for a slow transfer)
+(router/first_token.py). A decode worker whose KV arrivals wait DELAY_S (a test hook standing for a slow transfer,
+tests/hooks/sitecustomize.py)
 shows it: the first token comes well before DELAY_S, the second after it, and the tokens and text are the
 single-process engine's."""
 
@@ -15,7 +16,7 @@ from pdserve.serving.rpc_convert import sampling_to_proto
 from pdserve.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import generate_pb2_grpc as gen_grpc
-from stack import start, start_stack, stop_all, wait_idle
+from stack import hooks_env, start, start_stack, stop_all, wait_idle
 
 DELAY_S = 2.0
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def slow_kv_stack(tiny_v3_dir, tmp_path_factory):
     stack = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("slow-kv"),
-                        decode_args=["--test-hook-slow-kv-arrival", str(DELAY_S)])
+                        decode_env=hooks_env(PDTEST_DECODE_SLOW_KV_ARRIVAL_S=DELAY_S))
     yield stack
     stack.stop()
 

@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
 
 from golden import GREEDY  # noqa: E402
 from decode_service.pacing import REPLAY_WINDOW, StepPacer  # noqa: E402
-from pdserve.gpu_clock import ReplayClock  # noqa: E402
-from stack import metric, start_stack  # noqa: E402
+from decode_service.replay_clock import ReplayClock  # noqa: E402
+from stack import hooks_env, metric, start_stack  # noqa: E402
 from test_decode_pacing import a_then_b  # noqa: E402
 
 
@@ -136,8 +136,8 @@ def test_a_decode_worker_with_the_gpu_to_itself_holds_nothing_back_for_a_prompt_
     A's tokens keep coming back to back: there is no prefill to make room for."""
     share, kv_delay_s = 0.005, 2.0
     stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--device", "cuda"],
-                        decode_args=["--gpu-share-while-prefilling", str(share),
-                                     "--test-hook-slow-kv-arrival", str(kv_delay_s)])
+                        decode_args=["--gpu-share-while-prefilling", str(share)],
+                        decode_env=hooks_env(PDTEST_DECODE_SLOW_KV_ARRIVAL_S=kv_delay_s))
     try:
         # A's 1800 tokens (the model's context allows no more) take ~0.75 s at the H200's ~0.42 ms each: 0.15 s
         # alone leaves it decoding through the first half of B's wait (after 0.5 s alone it had finished once).

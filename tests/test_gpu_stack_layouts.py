@@ -1,7 +1,7 @@
 """Stack layouts on one GPU that the serving benchmark does not run: several prefill and decode workers sharing the
-GPU, and a decode worker whose engine runs in a process of its own (`--engine-process on`) with its KV coming over
-tcp and over cuda_ipc. Each is held to the single-process engine's greedy tokens (fp32, the torch backends: on the
-GPU these equal the CPU reference, tests/test_gpu_engine.py). Skipped without CUDA."""
+GPU, and one pair with its KV coming over tcp and over cuda_ipc. Each is held to the single-process engine's greedy
+tokens (fp32, the torch backends: on the GPU these equal the CPU reference, tests/test_gpu_engine.py). Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -46,19 +46,18 @@ def test_two_prefill_and_two_decode_workers_share_one_gpu(trained_model_dir, tmp
 
 
 @pytest.mark.parametrize("transport", ["tcp", "cuda_ipc"])
-def test_a_decode_engine_in_its_own_process_on_the_gpu(trained_model_dir, tmp_path, transport):
-    """`pdserve decode --engine-process on` on cuda:0: the engine process holds the pool the KV lands in (over tcp
-    through the host, or written by the prefill worker over cuda_ipc), and the tokens are the reference's."""
+def test_a_decode_worker_on_the_gpu_takes_its_kv_over(trained_model_dir, tmp_path, transport):
+    """A pair on cuda:0: the decode worker's pool is where the KV lands (over tcp through the host, or written by
+    the prefill worker over cuda_ipc), and the tokens are the reference's."""
     reference = reference_outputs(trained_model_dir, dtype="float32")
     stack = start_stack(trained_model_dir, tmp_path, engine_args=[*FP32_ON_GPU, "--kv-transport", transport],
-                        decode_args=["--engine-process", "on"], timeout_s=START_S)
+                        timeout_s=START_S)
     try:
         check_against_reference(stack.router.address, reference)
         decode = stack.decode[0]
-        assert "engine in a process of its own" in decode.log()
         prefill_port = stack.prefill[0].metrics_port
         assert metric(prefill_port, "pdserve_kv_transfer_bytes_total", transport=transport) > 0
-        idle = wait_idle(decode)  # GetLoad: a call into the engine process
+        idle = wait_idle(decode)
         assert idle.num_free_pages == idle.num_total_pages
     finally:
         stack.stop()

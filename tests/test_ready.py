@@ -1,6 +1,8 @@
 """Ready means ready: a worker warms up before it reports SERVING, leaves its engine as it was, answers health and
 load checks while its engine thread is busy, and a stack whose first forward is slow (a cold GPU compiling kernels,
-played by the `--test-hook-slow-first-forward` test hook) serves requests sent the moment `pdserve up` says it is up."""
+played by test hooks: the prefill worker's `--test-hook-slow-first-forward`, the decode worker's
+PDTEST_DECODE_SLOW_FIRST_FORWARD_S in tests/hooks/sitecustomize.py) serves requests sent the moment `pdserve up` says it
+is up."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pdserve.spec_decode import SpeculativeConfig
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from stack import REPO, free_port, generate, start_stack
+from stack import REPO, free_port, generate, hooks_env, start_stack
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 # A plan with every phase (GPU-like, small): prompts of 1 token, one chunk and a chunk and a bit (chunked), several
@@ -168,8 +170,9 @@ def test_health_and_load_are_answered_while_the_engine_is_busy(tiny_v3_dir, tmp_
     """The prefill worker's engine thread spends 4 s in its first forward; meanwhile its health checks and GetLoad
     (the router's heartbeat) answer in milliseconds."""
     # (The router skips its warm-up too: its request through the pair would take the slow first forward.)
-    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--skip-warmup", "--test-hook-slow-first-forward", "4"],
-                        router_args=["--skip-warmup"])
+    stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--skip-warmup"], router_args=["--skip-warmup"],
+                        prefill_env={"PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD": "4"},
+                        decode_env=hooks_env(PDTEST_DECODE_SLOW_FIRST_FORWARD_S=4))
     try:
         done = threading.Event()
         result = {}
@@ -214,7 +217,8 @@ def test_cold_start_serves_requests_sent_the_moment_it_is_up(trained_model_dir, 
 
     port = free_port()
     log = tmp_path / "up.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD": "3"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD": "3",  # the prefill worker
+           **hooks_env(PDTEST_DECODE_SLOW_FIRST_FORWARD_S=3)}  # the decode worker
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(trained_model_dir), "--port",
                            str(port), "--device", "cpu", "--http-port", "0", "--metrics-port", "0"], cwd=REPO,
                           stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)

@@ -1,7 +1,5 @@
 """A stack with every protection on (real processes): TLS on all gRPC links (a self-signed certificate made here),
-a shared internal token on the workers and their KV transfer, an API key on the router. Its decode worker runs its
-engine in a process of its own (`--engine-process on`): the token reaches the KV receiver there, and the calls the
-token guards (GetLoad, DecodeStream) cross into it."""
+a shared internal token on the workers and their KV transfer, an API key on the router."""
 
 from __future__ import annotations
 
@@ -85,7 +83,7 @@ def secure_stack(tiny_v3_dir, tmp_path_factory):
     tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
     common = ["--model", str(tiny_v3_dir), "--page-size", "4", "--num-pages", "256", "--internal-token", TOKEN, *tls]
     procs = [spawn_tls("prefill", common, logs),  # their model loads overlap
-             spawn_tls("decode", [*common, "--engine-process", "on"], logs)]
+             spawn_tls("decode", common, logs)]
     try:
         for p in procs:
             wait_tls_serving(p, cert)
@@ -130,14 +128,13 @@ def test_internal_endpoints_require_the_token(secure_stack):
 
 
 def test_router_requires_an_api_key_over_tls(secure_stack):
-    (_, decode, router), ca = secure_stack
+    (_, _, router), ca = secure_stack
     for md in ((), (("authorization", "Bearer nope"),), (("authorization", f"Bearer {TOKEN}"),)):
         with pytest.raises(grpc.RpcError) as err:
             generate(router.address, ca, md)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "--api-key" in err.value.details()
     out = generate(router.address, ca, (("authorization", f"Bearer {KEY}"),))  # prefill -> decode KV: token OK
     assert out[-1].HasField("complete") and len(out[-1].complete.output_ids) == 4
-    assert "engine in a process of its own" in decode.log()  # the KV went to the engine process's receiver
 
 
 def test_bench_over_tls_with_an_api_key(secure_stack, tmp_path):

@@ -50,10 +50,7 @@ def owned_by_redis(redis: RedisServer, n_workers_min: int = 1) -> bool:
 def test_redis_discovery_ownership_and_outage(tiny_v3_dir, tmp_path):
     engine = LLMEngine(EngineConfig(str(tiny_v3_dir), cache=CacheConfig(page_size=4, num_pages=512)))
     redis = RedisServer().start()
-    # The decode worker's engine in a process of its own (the thread layout's Redis path: test_registration_trust):
-    # registered, discovered and serving through the outage as on a thread; the router's GetLoad polls cross into it.
-    stack = start_stack(tiny_v3_dir, tmp_path, n_prefill=2, n_decode=1, redis_url=redis.url,
-                        decode_args=["--engine-process", "on"])
+    stack = start_stack(tiny_v3_dir, tmp_path, n_prefill=2, n_decode=1, redis_url=redis.url)
     try:
         address = stack.router.address
 

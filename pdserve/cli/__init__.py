@@ -105,7 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--decode-gpu-share", type=serve.up_gpu_share, default="auto", metavar="auto|SHARE",
                     help=serve.GPU_SHARE_HELP + f". auto (default): {up_command.SHARED_GPU_DECODE_SHARE:.2g} when "
                     "the workers share one GPU (--device cuda, any transport but nccl), else 1 (no limit)")
-    serve.add_engine_process_arg(ug, "--decode-engine-process")
     serve.add_stream_interval_arg(ug)
     serve.add_warmup_args(ug)
     up.set_defaults(func=up_command.cmd_up)

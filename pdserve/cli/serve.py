@@ -46,16 +46,15 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = a free one)")
         add_min_step_interval_arg(g, "--min-step-interval-ms")
         add_gpu_share_arg(g)
-        add_engine_process_arg(g, "--engine-process")
     g.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
                    help="requests waiting here (prefill: for compute; decode: for their KV) before new ones get "
                         "RESOURCE_EXHAUSTED (default 256)")
     add_warmup_args(g)
-    # TEST HOOK (tests/test_ready.py): the engine's first forward sleeps S seconds, standing for a cold GPU's kernel
-    # compiles. Hidden; PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD sets it in every worker `pdserve up` starts.
-    g.add_argument("--test-hook-slow-first-forward", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
-    if role == "decode":  # TEST HOOK (tests/test_first_token.py): each prompt's received KV waits S seconds
-        g.add_argument("--test-hook-slow-kv-arrival", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
+    if role == "prefill":
+        # TEST HOOK (tests/test_ready.py): the engine's first forward sleeps S seconds, standing for a cold GPU's
+        # kernel compiles. Hidden; PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD sets it in the prefill workers `pdserve up`
+        # starts. (The decode worker's test hooks are the tests' own: tests/hooks/sitecustomize.py.)
+        g.add_argument("--test-hook-slow-first-forward", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     add_reliability_args(p, internal_server=True)
 
 
@@ -101,15 +100,6 @@ def add_gpu_share_arg(g) -> None:
 
 def up_gpu_share(text: str) -> "float | str":
     return text if text == "auto" else _share(text)
-
-
-def add_engine_process_arg(g, flag: str) -> None:
-    g.add_argument(flag, choices=("off", "on"), default="off", dest="engine_process",
-                   help="on: run the decode engine (its step loop, model and KV receiver) in a process of its own, "
-                        "apart from the gRPC event loop, so that neither waits for the other's GIL and health checks "
-                        "never share a process with the engine; it gains no client-visible latency or throughput and "
-                        "slows the worker's start (the engine process imports torch anew); off (default): the engine "
-                        "runs on a thread of the worker's process")
 
 
 def add_warmup_args(g) -> None:
@@ -221,11 +211,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.cli.engine_args import engine_config_from_args
     from pdserve.serving.metrics import Metrics
     from pdserve.prefill_service.publisher import OwnershipPublisher
-    from pdserve.prefill_service.server import (
-        GIL_SWITCH_INTERVAL_S, PrefillWorker, PrefillWorkerConfig, serve_prefill,
-    )
+    from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
 
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     _nccl_error_handling(args)
     _show_kv_pairings()
     start = time.monotonic()
@@ -266,7 +253,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     from pdserve.cli.engine_args import engine_config_from_args
-    from pdserve.decode_service.server import DecodeWorker, DecodeWorkerConfig, decode_engine, serve_decode
+    from pdserve.decode_service.server import DecodeWorker, DecodeWorkerConfig, serve_decode
     from pdserve.serving.metrics import Metrics
 
     _nccl_error_handling(args)
@@ -283,14 +270,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                 max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                 security=security_from_args(args), warmup=not args.skip_warmup,
                                 min_step_interval_s=args.min_step_interval_ms / 1e3,
-                                gpu_share_while_prefilling=args.gpu_share_while_prefilling,
-                                test_hook_slow_first_forward_s=args.test_hook_slow_first_forward,
-                                test_hook_slow_kv_arrival_s=args.test_hook_slow_kv_arrival)
-    in_process = args.engine_process == "on"
-    link = decode_engine(config, metrics, in_process, setup=_show_kv_pairings)
-    worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics, link)  # built and warmed up
-    warmup = worker.warmup_report
-    built = time.monotonic() - start - (warmup.seconds if warmup else 0.0)
+                                gpu_share_while_prefilling=args.gpu_share_while_prefilling)
+    worker = DecodeWorker(config, _identity(args, "decode", args.port), metrics)
+    built = time.monotonic() - start
     state = {}
 
     def ready(port: int) -> None:
@@ -298,15 +280,11 @@ def cmd_decode(args: argparse.Namespace) -> int:
         state["registration"] = _register(args, worker, "decode", mport)
         _say(f"decode worker {worker.identity.worker_id} serving on {worker.identity.address}, KV receiver on "
              f"{worker.kv_endpoint}" + (f", metrics on :{mport}" if mport else "")
-             + (", engine in a process of its own" if in_process else "")
-             + _startup_times(start, built, warmup))
+             + _startup_times(start, built, worker.warmup_report))
 
     asyncio.run(serve_decode(worker, ready=ready))
     if state.get("registration"):
         state["registration"].stop()
-    if worker.engine_gone:
-        _say(f"decode worker stopped: {worker.engine_gone}")
-        return 1
     return 0
 
 

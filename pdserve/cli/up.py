@@ -254,8 +254,6 @@ def cmd_up(args: argparse.Namespace) -> int:
                     cmd += ["--min-step-interval-ms", str(args.min_step_interval_ms)]
                 if role == "decode" and decode_share < 1:
                     cmd += ["--gpu-share-while-prefilling", repr(decode_share)]
-                if role == "decode":
-                    cmd += ["--engine-process", args.engine_process]
                 name = f"{role}:127.0.0.1:{port}"
                 if not args.no_metrics:
                     mport = args.metrics_port + 1 + k if args.metrics_port else 0

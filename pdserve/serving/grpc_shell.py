@@ -33,9 +33,6 @@ class ServiceError(Exception):
         super().__init__(message)
         self.code = code
 
-    def __reduce__(self):  # pickles as what it is (a worker's engine process hands it across; engine_link.py)
-        return ServiceError, (self.code, str(self))
-
 
 def invalid(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)

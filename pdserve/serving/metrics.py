@@ -7,8 +7,7 @@ created per process (not module globals mutated at start-up) and passed to whoev
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, fields
-from typing import Any, Optional
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -115,65 +114,6 @@ class Metrics:
     def observe(self, histogram: Histogram, value: float, **labels: str) -> None:
         """For the histograms with labels beyond the role (transfer_seconds)."""
         histogram.labels(role=self._role, **labels).observe(value)  # type: ignore[attr-defined]
-
-    def apply(self, ops: list[tuple[str, str, Any, Optional[dict]]]) -> None:
-        """Record what a MetricsRecorder took down (in a worker's engine process) into this registry."""
-        for op, name, value, labels in ops:
-            metric = getattr(self, name)
-            if op == "set":
-                metric.set(value)
-            elif op == "count":
-                self.count(metric, value, **labels)
-            elif labels:
-                self.observe(metric, value, **labels)
-            else:
-                metric.observe(value)
-
-
-METRIC_NAMES = frozenset(f.name for f in fields(Metrics)) - {"registry"}
-
-
-class MetricsRecorder:
-    """Stands for Metrics where the registry is in another process: a worker's engine process records through it
-    as through Metrics (`m.count(m.requests, ...)`, `m.running.set(n)`, `m.itl.observe(s)`), and the ops it took
-    down travel with its next message to the worker's gRPC process, whose one registry /metrics serves
-    (`Metrics.apply`). A gauge set several times between two messages travels once, with its last value."""
-
-    def __init__(self) -> None:
-        self._ops: list[tuple[str, str, Any, Optional[dict]]] = []
-        self._gauges: dict[str, float] = {}
-
-    def __getattr__(self, name: str) -> "_RecordedMetric":
-        if name not in METRIC_NAMES:  # a misspelt metric fails where it is recorded, as with Metrics
-            raise AttributeError(f"Metrics has no metric {name!r}")
-        return _RecordedMetric(self, name)
-
-    def count(self, metric: "_RecordedMetric", amount: float = 1.0, **labels: str) -> None:
-        self._ops.append(("count", metric.name, amount, labels))
-
-    def observe(self, metric: "_RecordedMetric", value: float, **labels: str) -> None:
-        self._ops.append(("observe", metric.name, value, labels))
-
-    def take(self) -> list[tuple[str, str, Any, Optional[dict]]]:
-        """What was recorded since the last take (gauges: their last values), and forget it."""
-        ops, self._ops = self._ops, []
-        if self._gauges:
-            gauges, self._gauges = self._gauges, {}
-            ops += [("set", name, value, None) for name, value in gauges.items()]
-        return ops
-
-
-class _RecordedMetric:
-    __slots__ = ("recorder", "name")
-
-    def __init__(self, recorder: MetricsRecorder, name: str):
-        self.recorder, self.name = recorder, name
-
-    def set(self, value: float) -> None:
-        self.recorder._gauges[self.name] = value
-
-    def observe(self, value: float) -> None:
-        self.recorder._ops.append(("observe", self.name, value, None))
 
 
 class SpecMetrics:

@@ -1,9 +1,10 @@
-"""The GPU time of CUDA graph replays, measured without ever waiting for the GPU.
+"""The GPU time of CUDA graph replays, measured without ever waiting for the GPU: what a decode worker's GPU-share
+pacing (pacing.py) reads.
 
-A decode worker that shares its GPU with a prefill worker paces its steps by their own GPU cost (DecodeWorker, its
-gpu_share_while_prefilling). The host cannot see that cost: a step's wall time on the host is its launch (the demo
-model's steps are host-bound) or, under overlap scheduling, mostly the previous step. Each replay is bracketed by a
-pair of CUDA events instead, read once the GPU has passed them.
+The host cannot see a step's GPU cost: its wall time on the host is its launch (a small model's steps are host-bound)
+or, under overlap scheduling, mostly the previous step. Each replay is bracketed by a pair of CUDA events instead,
+read once the GPU has passed them. The clock reaches the replays through the graph runners' generic replay hook
+(`DecodeGraphRunner.replay_hook`, installed by `time_replays`): the engine knows nothing of it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Hashable, Optional
 import torch
 
 from pdserve.cuda_streams import current_stream
+from pdserve.engine import LLMEngine
 
 
 class ReplayClock:
@@ -87,3 +89,15 @@ class ReplayClock:
                 self.fastest_s[key] = seconds
             self._completed.append((seconds, self.fastest_s[key]))
             self._spare.append((start, end))
+
+
+def time_replays(core: LLMEngine) -> Optional[ReplayClock]:
+    """A clock timing every CUDA graph replay of `core` (its decode graphs and, speculating, its NextN graphs), or
+    None without graphs (a CPU engine, or graphs off): its steps then have no known GPU time."""
+    runners = [r for r in (core.runner.graphs, core.runner.mtp_graphs) if r is not None]
+    if not runners:
+        return None
+    clock = ReplayClock()
+    for runner in runners:
+        runner.replay_hook = clock.replay
+    return clock
