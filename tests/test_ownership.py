@@ -114,6 +114,24 @@ def test_two_routers_share_ownership(redis_server):
             s.close()
 
 
+def test_malformed_ownership_entries_are_skipped(redis_server):
+    """Redis data is untrusted: an owner that is not a worker id (not UTF-8, control characters) on a block, or a
+    block hash that is not hex in a worker's index, is skipped; the prompts on that block are still matched (they
+    failed with UnicodeDecodeError) and the worker's blocks are still dropped."""
+    store = RedisOwnership(redis_server.url, key_prefix="t")
+    c = redis_server.client()
+    try:
+        store.record("a", P[:2])
+        c.sadd(f"t:blk:{P[0].hex()}", b"\xff\xfe", b"evil\n")
+        c.sadd("t:wblk:a", b"\xff\xfe", b"../x")
+        assert store.match(P) == {"a": 2}
+        store.drop_worker("a")
+        assert store.match(P) == {}
+    finally:
+        c.close()
+        store.close()
+
+
 def test_key_layout_and_ttl(redis_server):
     store = RedisOwnership(redis_server.url, key_prefix="t", ttl_s=100)
     c = redis_server.client()

@@ -11,9 +11,10 @@ Two stores, chosen by name from `OWNERSHIP_STORES`:
 
 from __future__ import annotations
 
+import re
 import threading
 from abc import ABC, abstractmethod
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -190,7 +191,7 @@ class RedisOwnership(OwnershipStore):
             for h in hashes:
                 pipe.smembers(self._blk(bytes(h).hex()))
         owner_sets = self._run(fill)
-        return leading_runs({m.decode() for m in members} for members in owner_sets)
+        return leading_runs({w for w in map(_worker_id, members) if w is not None} for members in owner_sets)
 
     def drop_worker(self, worker_id: str) -> None:
         index = self._wblk(worker_id)
@@ -201,7 +202,8 @@ class RedisOwnership(OwnershipStore):
 
         def forget_blocks(pipe) -> None:
             for hx in held:
-                pipe.srem(self._blk(hx.decode()), worker_id)
+                if _HEX.fullmatch(hx):  # (Redis data is untrusted: anything else names no block of ours)
+                    pipe.srem(self._blk(hx.decode()), worker_id)
         # Read and delete the index atomically (MULTI), so blocks recorded meanwhile land in a fresh index.
         held, _ = self._run(take_index, transaction=True)
         if held:
@@ -209,3 +211,16 @@ class RedisOwnership(OwnershipStore):
 
     def close(self) -> None:
         self._redis.close()
+
+
+_HEX = re.compile(rb"[0-9a-f]{1,128}")
+
+
+def _worker_id(member: bytes) -> Optional[str]:
+    """A block owner's id as the store holds it, or None for a member no worker wrote (Redis data is untrusted:
+    one such entry must not fail the prompts whose block it sits on)."""
+    try:
+        text = member.decode()
+    except UnicodeDecodeError:
+        return None
+    return text if text and text.isprintable() and len(text) <= 256 else None
