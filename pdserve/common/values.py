@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
@@ -19,6 +20,11 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
 MAX_LOGPROBS = 20  # alternatives per position a request may ask for (OpenAI's chat limit)
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _as_float32(value: float) -> float:
+    """`value` as the 32-bit float the wire carries (pdserve.v1 SamplingParams)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,9 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be in [1, {UINT32_MAX}], got {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 < self.top_p <= 1) or _as_float32(self.top_p) == 0:
+            raise ValueError(f"top_p must be in (0, 1] and not round to 0 as the 32-bit float it travels as "
+                             f"(>= 1e-45), got {self.top_p}")
         if not -1 <= self.top_k <= INT32_MAX:
             raise ValueError(f"top_k must be in [1, {INT32_MAX}], or 0 / -1 to disable, got {self.top_k}")
         if self.top_k == -1:
