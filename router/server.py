@@ -90,6 +90,7 @@ class Router:
                                                                                 tokenizer)
         self._ownership_retry_at = 0.0
         self._turn = 0  # round-robin among equally good workers
+        self._unpairable: set[str] = set()  # workers no worker of the other role can pair with (logged once)
         self._in_flight_ids: set[str] = set()  # client-given ids of requests running now
         self.num_active = 0
         self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="router-tokenize")
@@ -114,6 +115,7 @@ class Router:
         if not prefills or not decodes:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"no healthy workers: {len(prefills)} prefill, {len(decodes)} decode")
+        prefills, decodes = self._pairable(prefills, decodes)
         block = prefills[0].info.block_size
         # The first block's owners first: where no worker holds it (a fresh prompt) none holds a longer prefix, and
         # the prompt's other keys are made once the request is done (`_learn_ownership`), off its first token's way
@@ -126,13 +128,31 @@ class Router:
                 matched = await self._owners(hashes)
         self._turn += 1
         prefill, reason, _ = pick_prefill(prefills, matched, self.config.balance_threshold, self._turn)
-        decode = pick_decode(decodes, self._turn)
-        mismatch = prefill.layout.mismatch(decode.layout)
-        if mismatch:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"prefill {prefill.address} and decode {decode.address} cannot pair: {mismatch}")
+        decode = pick_decode([d for d in decodes if d.layout == prefill.layout], self._turn)
         self.metrics.count(self.metrics.router_decisions, reason=reason)
         return prefill, decode, hashes, reason
+
+    def _pairable(self, prefills: list[Worker], decodes: list[Worker]) -> tuple[list[Worker], list[Worker]]:
+        """The workers that can pair with some worker of the other role (the same KV layout): one that joined with
+        another model, page size or dtype is never chosen, rather than chosen and failing every request it gets
+        (it looks least busy, since its requests fail at once). Logged and counted once per worker."""
+        prefill_layouts, decode_layouts = {w.layout for w in prefills}, {w.layout for w in decodes}
+        ok_p = [w for w in prefills if w.layout in decode_layouts]
+        ok_d = [w for w in decodes if w.layout in prefill_layouts]
+        if not ok_p or not ok_d:
+            p, d = prefills[0], decodes[0]
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"no prefill and decode worker can pair: e.g. prefill {p.address} and decode "
+                               f"{d.address}: {p.layout.mismatch(d.layout)}")
+        for w, names, others in [(w, ("prefill", "decode"), ok_d) for w in prefills if w not in ok_p] + \
+                [(w, ("decode", "prefill"), ok_p) for w in decodes if w not in ok_d]:
+            if w.address not in self._unpairable:
+                self._unpairable.add(w.address)
+                self.metrics.count(self.metrics.workers_down, reason="incompatible")
+                log.warning("%s worker %s is not routed to: it cannot pair with any %s worker (%s)", names[0],
+                            w.address, names[1], w.layout.mismatch(others[0].layout, names))
+        self._unpairable -= {w.address for w in ok_p + ok_d}  # one that can pair now is routed again
+        return ok_p, ok_d
 
     async def _owners(self, hashes: list[bytes]) -> dict[str, int]:
         """The ownership store's match of a prompt's leading blocks; {} while it is away."""
