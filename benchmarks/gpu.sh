@@ -315,7 +315,7 @@ suite_profile() {  # profile.log, bench_c<C>.json, decode[_engine]_c<C>.raw, rou
   # py-spy sampling the decode worker and the router (the `up` process) meanwhile; summarized with
   # benchmarks/pyspy_summary.py. Needs py-spy in .whl/ (pip download --no-deps --only-binary=:all:
   # --platform manylinux_2_17_x86_64 -d .whl py-spy), installed with the other wheels.
-  local d=$1 port up dec eng c spy_flags="-r 250 -f raw --threads --nonblocking"
+  local d=$1 port up dec c spy_flags="-r 250 -f raw --threads --nonblocking"
   shift
   # Native stacks show where a thread waits for the GIL; py-spy must pause the process for them (fewer samples).
   [ "${PROFILE_NATIVE:-0}" = 1 ] && spy_flags="-r 100 -f raw --threads --native --idle"
@@ -326,8 +326,6 @@ suite_profile() {  # profile.log, bench_c<C>.json, decode[_engine]_c<C>.raw, rou
   up=$!
   for _ in $(seq 300); do grep -q "pdserve is up" "$d/up.log" && break; sleep 1; done
   dec=$(pgrep -P "$up" -f "pdserve decode")
-  # The decode worker's engine process (--engine-process: on by default with a GPU), where its engine thread runs.
-  eng=$(pgrep -P "$dec" -f "multiprocessing.spawn" | head -1)
   for c in 32 1; do
     # At least 60 prompts: c=1 must still be running when py-spy starts (3 s in) and for its 8 s.
     python3 -m pdserve bench --target "127.0.0.1:$port" --num-prompts $((c * 10 > 60 ? c * 10 : 60)) --input-len 512 --output-len 128 \
@@ -335,16 +333,12 @@ suite_profile() {  # profile.log, bench_c<C>.json, decode[_engine]_c<C>.raw, rou
     local b=$!
     sleep 3
     py-spy record -p "$dec" -d 8 $spy_flags -o "$d/decode_c$c.raw" >/dev/null 2>&1 &
-    local spy=$! spy_eng=
-    if [ -n "$eng" ]; then
-      py-spy record -p "$eng" -d 8 $spy_flags -o "$d/decode_engine_c$c.raw" >/dev/null 2>&1 &
-      spy_eng=$!
-    fi
+    local spy=$!
     py-spy record -p "$up" -d 8 $spy_flags -o "$d/router_c$c.raw" >/dev/null 2>&1
-    wait "$spy" $spy_eng  # their files are written when they exit
+    wait "$spy"  # its file is written when it exits
     wait "$b"
     tail -20 "/tmp/profile_bench_c$c.txt"
-    for f in "$d/decode_c$c.raw" ${eng:+"$d/decode_engine_c$c.raw"}; do
+    for f in "$d/decode_c$c.raw"; do
       echo "== $f"
       python3 benchmarks/pyspy_summary.py "$f" --top 25
       [ "${PROFILE_NATIVE:-0}" = 1 ] && python3 benchmarks/pyspy_summary.py "$f" --gil --within "step (pdserve/engine.py"

@@ -50,9 +50,6 @@ class KVTransferError(Exception):
         self.message = message
         self.transport: str | None = None  # what the room's rows travelled over, where the side that failed it knows
 
-    def __reduce__(self):  # pickles whole (a decode worker's engine process hands it to its gRPC side)
-        return type(self), (self.kind, self.message), self.__dict__
-
 
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)

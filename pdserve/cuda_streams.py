@@ -3,9 +3,9 @@
 `torch.cuda.current_stream()` (and `torch.cuda.Event.record()` without a stream, which calls it) resolves the device
 through torch's generic device look-up, an NVML availability check and an environment read included, and builds a
 new Stream object each time. A decode step asks for it several times: each pinned upload's event (HostStaging), two
-events per timed graph replay (ReplayClock), the overlap step's copy event: host time added to every round
-of a host-bound model. Here it is one C call and a dict look-up: the
-device index comes from the caller, and the Stream object of each stream is kept.
+events per timed graph replay (the decode tier's replay clock), the overlap step's copy event: host time added to
+every round of a host-bound model. Here it is one C call and a dict look-up: the device index comes from the caller,
+and the Stream object of each stream is kept.
 """
 
 from __future__ import annotations
