@@ -25,7 +25,7 @@ from pdserve.serving.rpc_convert import (
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.serving.warmup import WarmupReport, slow_first_forward, warm_up_worker
+from pdserve.serving.warmup import WarmupReport, warm_up_worker
 from pdserve.serving.worker_common import (
     WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread,
 )
@@ -34,12 +34,6 @@ from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob, PrefillResul
 from .prompt_calls import PromptCall
 
 log = logging.getLogger(__name__)
-
-# The prefill worker process's GIL switch interval (CPython's default: 5 ms). Its threads hand a prompt's KV on to
-# each other (engine thread -> the transport's writer -> the socket) while the engine thread goes on with the step's
-# Python work, which the writer would otherwise wait out for up to a whole interval (benchmarks/results/README.md has
-# the A/B).
-GIL_SWITCH_INTERVAL_S = 0.001
 
 # How often a stop asks whether the transfers in flight have ended.
 TRANSFERS_DONE_POLL_S = 0.05
@@ -66,7 +60,6 @@ class PrefillWorkerConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     security: SecurityConfig = SecurityConfig()
     warmup: bool = True  # run the warm-up (pdserve/serving/warmup.py) before the port opens
-    test_hook_slow_first_forward_s: float = 0.0  # TEST HOOK: the first forward sleeps this long (a cold compile)
 
     def __post_init__(self) -> None:
         check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
@@ -77,8 +70,6 @@ class PrefillWorker:
                  core: Optional[LLMEngine] = None):
         self.config, self.identity, self.metrics = config, identity, metrics
         self.core = core or LLMEngine(config.engine)
-        if config.test_hook_slow_first_forward_s:
-            slow_first_forward(self.core, config.test_hook_slow_first_forward_s)
         self.warmup_report: Optional[WarmupReport] = None
         self._evicted: list[bytes] = []  # piggybacked on responses for a router without Redis
         self.core.prefix_cache.on_evict = self._evicted.extend

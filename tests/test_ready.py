@@ -1,8 +1,7 @@
 """Ready means ready: a worker warms up before it reports SERVING, leaves its engine as it was, answers health and
 load checks while its engine thread is busy, and a stack whose first forward is slow (a cold GPU compiling kernels,
-played by test hooks: the prefill worker's `--test-hook-slow-first-forward`, the decode worker's
-PDTEST_DECODE_SLOW_FIRST_FORWARD_S in tests/hooks/sitecustomize.py) serves requests sent the moment `pdserve up` says it
-is up."""
+played by the test hooks PDTEST_PREFILL_SLOW_FIRST_FORWARD_S and PDTEST_DECODE_SLOW_FIRST_FORWARD_S of
+tests/hooks/sitecustomize.py) serves requests sent the moment `pdserve up` says it is up."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import re
 import time
 
 import grpc
@@ -23,12 +23,12 @@ from pdserve.engine import EngineConfig, LLMEngine, StepHooks
 from pdserve.kv_cache import CacheConfig
 from pdserve.prefill_service.engine import PrefillEngine
 from pdserve.sampling import SamplingParams
-from pdserve.serving.warmup import WarmupPlan, plan_for, slow_first_forward, warm_up
+from pdserve.serving.warmup import WarmupPlan, plan_for, warm_up
 from pdserve.spec_decode import SpeculativeConfig
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from stack import REPO, free_port, generate, hooks_env, start_stack
+from stack import REPO, free_port, generate, hooks_env, scrape, start_stack
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 # A plan with every phase (GPU-like, small): prompts of 1 token, one chunk and a chunk and a bit (chunked), several
@@ -148,17 +148,6 @@ def test_warmup_refuses_a_busy_engine(tiny_v3_dir):
         warm_up(engine, FULL_PLAN)
 
 
-def test_slow_first_forward_hook_delays_only_the_first_forward(tiny_v3_dir):
-    engine = engine_for(tiny_v3_dir)
-    slow_first_forward(engine, 0.5)
-    times = []
-    for prompt in PROMPTS:
-        t0 = time.monotonic()
-        engine.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
-        times.append(time.monotonic() - t0)
-    assert times[0] >= 0.5 > times[1]
-
-
 def _timed(call) -> float:
     t0 = time.monotonic()
     call()
@@ -171,7 +160,7 @@ def test_health_and_load_are_answered_while_the_engine_is_busy(tiny_v3_dir, tmp_
     (the router's heartbeat) answer in milliseconds."""
     # (The router skips its warm-up too: its request through the pair would take the slow first forward.)
     stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--skip-warmup"], router_args=["--skip-warmup"],
-                        prefill_env={"PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD": "4"},
+                        prefill_env=hooks_env(PDTEST_PREFILL_SLOW_FIRST_FORWARD_S=4),
                         decode_env=hooks_env(PDTEST_DECODE_SLOW_FIRST_FORWARD_S=4))
     try:
         done = threading.Event()
@@ -196,6 +185,8 @@ def test_health_and_load_are_answered_while_the_engine_is_busy(tiny_v3_dir, tmp_
         print(f"health {max(health_s) * 1e3:.1f} ms, GetLoad {max(load_s) * 1e3:.1f} ms at most while busy")
         assert max(health_s) < 0.25 and max(load_s) < 0.25
         assert done.wait(30) and result["out"].completion_tokens == 3
+        ttft_s = re.search(r"^pdserve_time_to_first_token_seconds_sum(?:{[^}]*})? (\S+)$", scrape(prefill), re.M)
+        assert float(ttft_s.group(1)) >= 4, "the prefill worker's own first forward was not the slow one"
     finally:
         stack.stop()
 
@@ -217,8 +208,8 @@ def test_cold_start_serves_requests_sent_the_moment_it_is_up(trained_model_dir, 
 
     port = free_port()
     log = tmp_path / "up.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD": "3",  # the prefill worker
-           **hooks_env(PDTEST_DECODE_SLOW_FIRST_FORWARD_S=3)}  # the decode worker
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           **hooks_env(PDTEST_PREFILL_SLOW_FIRST_FORWARD_S=3, PDTEST_DECODE_SLOW_FIRST_FORWARD_S=3)}
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(trained_model_dir), "--port",
                            str(port), "--device", "cpu", "--http-port", "0", "--metrics-port", "0"], cwd=REPO,
                           stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)

@@ -50,11 +50,6 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="requests waiting here (prefill: for compute; decode: for their KV) before new ones get "
                         "RESOURCE_EXHAUSTED (default 256)")
     add_warmup_args(g)
-    if role == "prefill":
-        # TEST HOOK (tests/test_ready.py): the engine's first forward sleeps S seconds, standing for a cold GPU's
-        # kernel compiles. Hidden; PDSERVE_TEST_HOOK_SLOW_FIRST_FORWARD sets it in the prefill workers `pdserve up`
-        # starts. (The decode worker's test hooks are the tests' own: tests/hooks/sitecustomize.py.)
-        g.add_argument("--test-hook-slow-first-forward", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     add_reliability_args(p, internal_server=True)
 
 
@@ -222,8 +217,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                                  kv_transport=args.kv_transport, kv_layerwise=not args.no_kv_layerwise,
                                  transfer_timeout_s=args.transfer_timeout,
                                  max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
-                                 security=security_from_args(args), warmup=not args.skip_warmup,
-                                 test_hook_slow_first_forward_s=args.test_hook_slow_first_forward)
+                                 security=security_from_args(args), warmup=not args.skip_warmup)
     worker = PrefillWorker(config, _identity(args, "prefill", args.port), metrics)
     built = time.monotonic() - start
     state = {}

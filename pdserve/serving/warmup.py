@@ -190,22 +190,6 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan, say: Optional[Callable[[str], N
     return WarmupReport(time.monotonic() - start, counter["requests"], counter["steps"], tuple(phases))
 
 
-def slow_first_forward(engine: LLMEngine, seconds: float) -> None:
-    """TEST HOOK (`--test-hook-slow-first-forward S`, hidden): the engine's first forward sleeps `seconds`, standing
-    for the kernel compiles of a cold GPU, so the CPU tests can check that a worker is ready when it says so."""
-    runner = engine.runner
-    execute = runner.execute
-    pending = [True]
-
-    def execute_slowly(*args, **kwargs):
-        if pending:
-            pending.clear()
-            time.sleep(seconds)
-        return execute(*args, **kwargs)
-
-    runner.execute = execute_slowly  # this engine's runner only
-
-
 def warm_up_worker(engine: LLMEngine, role: str, say: Optional[Callable[[str], None]] = None) -> WarmupReport:
     """A worker's warm-up with its progress on stderr: `[pdserve] warm-up: ...`."""
     say = say or _say

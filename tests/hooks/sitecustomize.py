@@ -12,10 +12,9 @@ process started without this folder on its path has no hooks at all.
                                           compiling kernels)
     PDTEST_DECODE_SLOW_KV_ARRIVAL_S=S     a decode worker: each prompt's received KV waits S seconds before the
                                           engine thread takes it (a slow transfer)
+    PDTEST_PREFILL_SLOW_FIRST_FORWARD_S=S a prefill worker's engine: its first forward sleeps S seconds
 
-Adding a hook (the prefill worker's, say): a function patch(module, value) and a line in HOOKS naming the variable
-and the module it patches, e.g. ("PDTEST_PREFILL_SLOW_FIRST_FORWARD_S", "pdserve.prefill_service.server",
-lambda server, s: after_init(server.PrefillWorker, lambda w: slow_first_forward(w.core, s))).
+Adding a hook: a function patch(module, value) and a line in HOOKS naming the variable and the module it patches.
 """
 
 from __future__ import annotations
@@ -60,6 +59,10 @@ def decode_slow_first_forward(server, seconds: float) -> None:
     after_init(server.DecodeWorker, lambda worker: slow_first_forward(worker.core, seconds))
 
 
+def prefill_slow_first_forward(server, seconds: float) -> None:
+    after_init(server.PrefillWorker, lambda worker: slow_first_forward(worker.core, seconds))
+
+
 def decode_slow_kv_arrival(server, seconds: float) -> None:
     arrived = server.DecodeWorker._kv_arrived  # the receiver's on_done: hands the request to the engine thread
 
@@ -73,6 +76,7 @@ def decode_slow_kv_arrival(server, seconds: float) -> None:
 HOOKS: dict[str, tuple[str, Callable[[Any, float], None]]] = {
     "PDTEST_DECODE_SLOW_FIRST_FORWARD_S": ("pdserve.decode_service.server", decode_slow_first_forward),
     "PDTEST_DECODE_SLOW_KV_ARRIVAL_S": ("pdserve.decode_service.server", decode_slow_kv_arrival),
+    "PDTEST_PREFILL_SLOW_FIRST_FORWARD_S": ("pdserve.prefill_service.server", prefill_slow_first_forward),
 }
 
 
