@@ -31,7 +31,7 @@ class Metrics:
     kv_pool_usage: Gauge
     prefix_hit_tokens: Counter
     prompt_tokens: Counter
-    prompts_received: Counter  # prefill: by rpc (PrefillStream: a router's open call; Prefill: one call each)
+    prompts_received: Counter  # prefill: by rpc (PrefillStream: a router's open call, the one way in)
     generated_tokens: Counter
     transfer_bytes: Counter  # by transport (tcp, cuda_ipc, nccl, gloo): what the pair's rows travelled over
     transfer_seconds: Histogram  # by transport; record through Metrics.observe
@@ -74,7 +74,7 @@ class Metrics:
             prefix_hit_tokens=counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
             prompt_tokens=counter("pdserve_prompt_tokens", "Prompt tokens received"),
             prompts_received=counter("pdserve_prompts_received", "Prefill worker: prompts received, by rpc "
-                                     "(PrefillStream: on a router's open call; Prefill: a call each)", ["rpc"]),
+                                     "(PrefillStream: on a router's open call)", ["rpc"]),
             generated_tokens=counter("pdserve_generation_tokens", "Tokens generated"),
             transfer_bytes=counter("pdserve_kv_transfer_bytes", "KV bytes sent or received, by transport",
                                    ["transport"]),

@@ -1,5 +1,5 @@
-"""What the prefill and decode workers share: identity, KV layout fingerprint, model info, result delivery from the
-engine thread to the event loop."""
+"""What the prefill and decode workers share: identity, KV layout fingerprint, model info, commands run on the engine
+thread for an RPC, and the RPCs both services answer alike."""
 
 from __future__ import annotations
 
@@ -50,49 +50,6 @@ def model_info(engine: LLMEngine) -> dict[str, Any]:
     return {"model_name": cfg.name, "vocab_size": cfg.vocab_size,
             "max_context_length": engine.scheduler.config.max_model_len,
             "eos_token_ids": sorted(engine.eos_token_ids), "model_type": cfg.model_type}
-
-
-class Deliveries:
-    """Futures created on the event loop and resolved from the engine thread (thread-safe hand-off)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._futures: dict[str, asyncio.Future] = {}
-
-    def expect(self, key: str) -> asyncio.Future:
-        fut = self.loop.create_future()
-        self._futures[key] = fut
-        return fut
-
-    def resolve(self, key: str, value: Any = None, error: BaseException | None = None) -> None:
-        """Callable from any thread."""
-        self.loop.call_soon_threadsafe(self._settle, key, value, error)
-
-    def resolve_many(self, values: list[tuple[str, Any]]) -> None:
-        """Callable from any thread: several keys' values in one hand-off (one wake-up of the event loop, where each
-        `resolve` costs the calling thread a write to the loop's self-pipe and the GIL taken back after it)."""
-        if values:
-            self.loop.call_soon_threadsafe(self._settle_many, values)
-
-    def _settle_many(self, values: list[tuple[str, Any]]) -> None:
-        for key, value in values:
-            self._settle(key, value, None)
-
-    def _settle(self, key: str, value: Any, error: BaseException | None) -> None:
-        fut = self._futures.pop(key, None)
-        if fut is None or fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
-
-    def fail_all(self, error: BaseException) -> None:
-        for key in list(self._futures):
-            self.resolve(key, error=error)
-
-    def discard(self, key: str) -> None:
-        self._futures.pop(key, None)
 
 
 async def on_engine_thread(loop, command: Callable[[], Any], undo: Callable[[], Any]) -> Any:
