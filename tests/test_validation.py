@@ -84,7 +84,11 @@ def call(address: str, request: gen_pb.GenerateRequest, timeout: float = 30.0):
 
 
 def worker_requests(stack) -> float:
-    """Requests the workers have seen, whatever their outcome (each counts exactly once per worker)."""
+    """Requests the workers have seen, whatever their outcome (each counts exactly once per worker), once every
+    worker is idle: a prefill worker counts a request when its KV transfer is confirmed, which may come after the
+    client's last token."""
+    for proc in stack.prefill + stack.decode:
+        wait_idle(proc)
     total = 0.0
     for proc in stack.prefill + stack.decode:
         for family in text_string_to_metric_families(scrape(proc)):
