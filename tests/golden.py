@@ -32,3 +32,14 @@ def check_against_reference(address, reference):
         assert got.streamed_ids == got.output_ids, "stream out of order or incomplete"
         assert got.text == want.new_text == got.streamed_text
         assert (got.prompt_tokens, got.completion_tokens, got.finish_reason) == (want.prompt_tokens, 12, "length")
+
+
+def check_concurrently(address, reference, n: int = 32) -> None:
+    """`n` requests at once, the golden prompts in turn: each gets the reference's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    outputs, _ = reference
+    jobs = [i % len(PROMPTS) for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(lambda i: generate(address, PROMPTS[i], GREEDY, timeout=120).output_ids, jobs))
+    assert got == [outputs[i].output_ids for i in jobs]

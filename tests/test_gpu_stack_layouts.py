@@ -5,13 +5,11 @@ without CUDA."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
-from golden import GREEDY, PROMPTS, check_against_reference, reference_outputs
-from stack import generate, metric, start_stack, wait_idle
+from golden import check_against_reference, check_concurrently, reference_outputs
+from stack import metric, start_stack, wait_idle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -28,12 +26,7 @@ def test_two_prefill_and_two_decode_workers_share_one_gpu(trained_model_dir, tmp
                         router_args=["--balance-threshold", "1"], timeout_s=START_S)
     try:
         check_against_reference(stack.router.address, reference)
-        outputs, _ = reference
-        jobs = [i % len(PROMPTS) for i in range(32)]
-        with ThreadPoolExecutor(32) as pool:
-            got = list(pool.map(lambda i: generate(stack.router.address, PROMPTS[i], GREEDY, timeout=120).output_ids,
-                                jobs))
-        assert got == [outputs[i].output_ids for i in jobs]
+        check_concurrently(stack.router.address, reference)
         for p in stack.prefill:
             assert metric(p.metrics_port, "pdserve_requests_total", outcome="finished") > 0, "a prefill worker idled"
             assert metric(p.metrics_port, "pdserve_kv_transfer_bytes_total", transport="cuda_ipc") > 0

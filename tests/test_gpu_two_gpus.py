@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
-from golden import GREEDY, PROMPTS, check_against_reference, reference_outputs
-from stack import generate, metric, start_stack, wait_idle
+from golden import GREEDY, PROMPTS, check_against_reference, check_concurrently, reference_outputs
+from stack import metric, start_stack, wait_idle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
@@ -56,12 +54,7 @@ def test_prefill_on_gpu0_and_decode_on_gpu1_give_the_engines_tokens(trained_mode
                         decode_args=["--device", "cuda:1"], timeout_s=START_S)
     try:
         check_against_reference(stack.router.address, reference)
-        outputs, _ = reference
-        jobs = [i % len(PROMPTS) for i in range(32)]
-        with ThreadPoolExecutor(32) as pool:
-            got = list(pool.map(lambda i: generate(stack.router.address, PROMPTS[i], GREEDY, timeout=120).output_ids,
-                                jobs))
-        assert got == [outputs[i].output_ids for i in jobs]
+        check_concurrently(stack.router.address, reference)
         moved = "cuda_ipc" if transport == "auto" else transport
         port = stack.prefill[0].metrics_port
         assert metric(port, "pdserve_kv_transfer_bytes_total", transport=moved) > 0
