@@ -40,7 +40,7 @@ from pdserve.common.values import MAX_LOGPROBS, SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 
 from .openai_shapes import Reply, TokenText
-from .server import Router
+from .server import MAX_STOP_TOKEN_IDS, Router
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, [
                "presence_penalty": (None, 0), "response_format": (None, {"type": "text"})}
 MAX_N = 16  # choices per request (each is a generation of its own)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Work that grows with the request runs on a thread beyond these sizes, so one large request does not hold the
+# event loop every other client waits on.
+INLINE_JSON_BYTES = 64 << 10
+INLINE_TEMPLATE_MESSAGES = 64
 # X-Accel-Buffering: a buffering reverse proxy (nginx) would otherwise hold tokens back until the end.
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -190,6 +194,8 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool = False) -> 
     max_tokens = _typed(body, name, (int,), "an integer", default_max_tokens)
     stop = _typed(body, "stop", (str, list), "a string or a list of strings", ())
     stop_token_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids", [])
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before reading them
+        raise bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids (got {len(stop_token_ids)})", "stop_token_ids")
     if any(not isinstance(t, int) or isinstance(t, bool) for t in stop_token_ids):
         raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
     try:
@@ -358,7 +364,9 @@ class OpenAIFrontend:
 
     async def _body(self, request: web.Request) -> dict:
         try:
-            body = await request.json()
+            raw = await request.read()
+            # A large body is parsed on a thread: json.loads of megabytes would hold the loop every client waits on.
+            body = json.loads(raw) if len(raw) <= INLINE_JSON_BYTES else await asyncio.to_thread(json.loads, raw)
         except json.JSONDecodeError as e:
             raise bad(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
         except UnicodeDecodeError:
@@ -386,6 +394,11 @@ class OpenAIFrontend:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list):  # its length before any pass over it
+            try:
+                self.router.check_length(len(prompt), "prompt")
+            except ServiceError as e:
+                raise from_service_error(e) from None
         if isinstance(prompt, str):
             ids = await prompt_ids(self.router, prompt, "prompt")
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -401,11 +414,17 @@ class OpenAIFrontend:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
+        limit = self.router.model_info().max_context_length
+        if isinstance(body.get("messages"), list) and len(body["messages"]) > limit:  # before reading any of them
+            raise bad(f"messages: {len(body['messages'])} messages cannot fit the model's context of {limit} tokens",
+                      "messages")
         messages = chat_messages(body)
         if self.chat_template is None:
             raise bad("this model has no chat_template in its tokenizer_config.json; use /v1/completions",
                       "messages")
-        ids = await prompt_ids(self.router, self.chat_template.render(messages), "messages")
+        text = self.chat_template.render(messages) if len(messages) <= INLINE_TEMPLATE_MESSAGES else \
+            await asyncio.to_thread(self.chat_template.render, messages)
+        ids = await prompt_ids(self.router, text, "messages")
         # OpenAI's default: as many tokens as the context (and this router's --max-new-tokens-limit) allows.
         room = max(1, self.router.model_info().max_context_length - len(ids))
         params = sampling_params(body, min(room, self.router.config.max_new_tokens_limit or room), chat=True)

@@ -182,7 +182,9 @@ class Router:
             raise invalid("prompt: give exactly one of text or tokenized.input_ids")
         if kind == "text":
             return await self.encode_text(request.text)
-        return self.check_ids(list(request.tokenized.input_ids), "tokenized.input_ids")
+        ids = request.tokenized.input_ids
+        self.check_length(len(ids), "tokenized.input_ids")  # before any pass over them: O(1) on a repeated field
+        return self.check_ids(list(ids), "tokenized.input_ids")
 
     def max_prompt_chars(self) -> int:
         """The longest text that could still fit the model's context (see PROMPT_CHARS_MARGIN)."""
@@ -211,17 +213,23 @@ class Router:
                 self._tokenize_pool, lambda: self.tokenizer.encode(text, release_gil=True))
         return self.check_ids(ids, field)
 
+    def check_length(self, num_ids: int, field: str = "input_ids") -> None:
+        """A prompt of `num_ids` tokens leaves room for at least one new token: checked before anything reads the
+        ids (converting or scanning millions of them would hold the event loop every other client waits on)."""
+        info = self.model_info()
+        if num_ids >= info.max_context_length:
+            raise invalid(f"{field}: the prompt has {num_ids} tokens; the model's context is "
+                          f"{info.max_context_length}, so a prompt may have at most {info.max_context_length - 1}")
+
     def check_ids(self, ids: list[int], field: str = "input_ids") -> list[int]:
         """The prompt is non-empty, in the vocabulary, and leaves room for at least one new token."""
         if not ids:
             raise invalid(f"{field}: the prompt is empty")
+        self.check_length(len(ids), field)
         info = self.model_info()
         bad = [t for t in ids if not 0 <= t < info.vocab_size] if min(ids) < 0 or max(ids) >= info.vocab_size else []
         if bad:
             raise invalid(f"{field}: token ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
-        if len(ids) >= info.max_context_length:
-            raise invalid(f"{field}: the prompt has {len(ids)} tokens; the model's context is "
-                          f"{info.max_context_length}, so a prompt may have at most {info.max_context_length - 1}")
         return ids
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int,
@@ -373,6 +381,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
         r = self.r
         try:
+            if len(request.sampling_params.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before converting them
+                raise invalid(f"sampling_params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids (got "
+                              f"{len(request.sampling_params.stop_token_ids)})")
             ids = await r.prompt_ids(request)
             params = sampling_from_proto(request.sampling_params)
             if not request.sampling_params.HasField("max_new_tokens"):

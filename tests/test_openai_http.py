@@ -173,6 +173,21 @@ def test_error_bodies_for_bad_json_unknown_models_and_paths(stack, client, model
         assert resp.status == status and set(error) == {"message", "type", "param", "code"}, (path, error)
 
 
+def test_requests_that_grow_with_their_size_are_refused_by_their_size_first(stack, model):
+    """400k chat messages, a million stop token ids: refused by their count before anything reads them (the chat
+    template over 400k messages held the router's loop for seconds), naming the count."""
+    many = {"model": model, "messages": [{"role": "user", "content": "hi"}] * 400_000}
+    stops = {"model": model, "prompt": "hi", "stop_token_ids": ["x"] + [1] * 1_000_000}
+    for path, body, param, needle in [("/v1/chat/completions", many, "messages", "400000 messages cannot fit"),
+                                      ("/v1/completions", stops, "stop_token_ids", "at most 256 ids")]:
+        conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        error = json.loads(resp.read())["error"]
+        conn.close()
+        assert resp.status == 400 and error["param"] == param and needle in error["message"], (path, error)
+
+
 def test_bad_client_input_the_red_team_sent_is_a_400_never_a_500(stack, model):
     """A text part whose text is not a string, an integer literal past Python's 4300 digits, and a body that is
     not gzip under `Content-Encoding: gzip` (each was a 500)."""

@@ -68,6 +68,9 @@ BAD_INPUTS = [
     ("request_id of 300 chars", {**OK_PROMPT, "request_id": "r" * 300}, INVALID, "request_id"),
     ("request_id with a NUL", {**OK_PROMPT, "request_id": "a\x00b"}, INVALID, "request_id"),
     ("message > 16 MiB", {"text": "a" * (17 << 20)}, EXHAUSTED, ""),
+    # Its length is checked before anything reads the ids (millions of them held every client's event loop): the
+    # answer names the length, not the out-of-vocabulary id at its start.
+    ("2M token ids, the first out of vocab", ids(VOCAB, *[5] * 2_000_000), INVALID, "the prompt has 2000001 tokens"),
 ]
 
 
