@@ -245,8 +245,11 @@ class PrefillEngine(StepHooks):
                 self._computing(rec)
         return results
 
-    def poll_transfers(self) -> list[tuple[PrefillRecord, TransferEnd]]:
-        """Engine thread: the SENDING requests whose transfer ended since (DONE or FAILED now), and how."""
+    def poll_transfers(self, on_end: Optional[Callable[[PrefillRecord, TransferEnd], None]] = None
+                       ) -> list[tuple[PrefillRecord, TransferEnd]]:
+        """Engine thread: the SENDING requests whose transfer ended since (DONE or FAILED now), and how. `on_end`
+        sees each one while it is still SENDING, so whoever waits for no request to be sending (`num_sending`)
+        also finds what `on_end` did (the worker's counts) done."""
         ended = []
         for rec in [r for r in self.records.values() if r.phase is Phase.SENDING]:
             if rec.handle.poll() not in (TransferState.DONE, TransferState.FAILED):
@@ -255,6 +258,8 @@ class PrefillEngine(StepHooks):
                 outcome: TransferEnd = rec.handle.wait(ENDED_WAIT_S)
             except KVTransferError as e:
                 outcome = e
+            if on_end is not None:
+                on_end(rec, outcome)
             self._end(rec, Phase.FAILED if isinstance(outcome, KVTransferError) else Phase.DONE)
             ended.append((rec, outcome))
         return ended

@@ -130,18 +130,19 @@ class PrefillWorker:
     def _poll_transfers(self) -> None:
         """Engine thread, after each step and while idle: counts the transfers that ended (their prompts were
         answered already: the decode worker's stream tells the router how a transfer ended)."""
-        m = self.metrics
-        for rec, outcome in self.engine.poll_transfers():
-            transport = rec.handle.transport
-            if isinstance(outcome, KVTransferError):
-                log.warning("request %s: KV transfer failed after the first token: %s", rec.request_id, outcome)
-                m.count(m.transfer_failures, kind=outcome.kind, transport=transport)
-                m.count(m.requests, outcome="failed")
-                continue
-            mark("prefill.transfer_confirmed", rec.request_id)
-            m.count(m.transfer_bytes, outcome.bytes_sent, transport=transport)
-            m.observe(m.transfer_seconds, outcome.seconds, transport=transport)
-            m.count(m.requests, outcome="finished")
+        self.engine.poll_transfers(self._count_transfer)
+
+    def _count_transfer(self, rec, outcome) -> None:
+        m, transport = self.metrics, rec.handle.transport
+        if isinstance(outcome, KVTransferError):
+            log.warning("request %s: KV transfer failed after the first token: %s", rec.request_id, outcome)
+            m.count(m.transfer_failures, kind=outcome.kind, transport=transport)
+            m.count(m.requests, outcome="failed")
+            return
+        mark("prefill.transfer_confirmed", rec.request_id)
+        m.count(m.transfer_bytes, outcome.bytes_sent, transport=transport)
+        m.observe(m.transfer_seconds, outcome.seconds, transport=transport)
+        m.count(m.requests, outcome="finished")
 
     async def transfers_done(self, timeout_s: float) -> None:
         """Waits (at most timeout_s) for the transfers still in flight, so that a stop does not cut them."""

@@ -32,6 +32,10 @@ def test_every_pair_is_warm_before_the_router_serves(tiny_v3_dir, tmp_path):
         for d in stack.decode:
             page = scrape(d)
             assert sample(page, "pdserve_requests_total") == 1 and sample(page, "pdserve_generation_tokens_total") >= 1
+        # The prefill worker counts a transfer once the decode worker confirmed it, which may come a moment later.
+        deadline = time.monotonic() + 5
+        while sample(scrape(stack.prefill[0]), "pdserve_kv_transfer_seconds_count") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert sample(scrape(stack.prefill[0]), "pdserve_kv_transfer_seconds_count") == 2
         assert "warmed the KV path of 2 of 2 prefill/decode pairs" in stack.router.log()
         router = scrape(stack.router)  # the router's own requests are not client traffic
