@@ -174,11 +174,11 @@ def test_error_bodies_for_bad_json_unknown_models_and_paths(stack, client, model
 
 
 def test_requests_that_grow_with_their_size_are_refused_by_their_size_first(stack, model):
-    """400k chat messages, a million stop token ids: refused by their count before anything reads them (the chat
-    template over 400k messages held the router's loop for seconds), naming the count."""
-    many = {"model": model, "messages": [{"role": "user", "content": "hi"}] * 400_000}
-    stops = {"model": model, "prompt": "hi", "stop_token_ids": ["x"] + [1] * 1_000_000}
-    for path, body, param, needle in [("/v1/chat/completions", many, "messages", "400000 messages cannot fit"),
+    """More chat messages than the context has tokens, thousands of stop token ids: refused by their count before
+    anything reads them (the chat template over 400k messages held the router's loop for seconds), naming it."""
+    many = {"model": model, "messages": [{"role": "user", "content": "hi"}] * 20_000}
+    stops = {"model": model, "prompt": "hi", "stop_token_ids": ["x"] + [1] * 10_000}
+    for path, body, param, needle in [("/v1/chat/completions", many, "messages", "20000 messages cannot fit"),
                                       ("/v1/completions", stops, "stop_token_ids", "at most 256 ids")]:
         conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
         conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
