@@ -54,17 +54,13 @@ def scatter_pages(layer_kv: torch.Tensor, rows: torch.Tensor, plan: PagePlan) ->
     """Write `rows: (..., num_tokens, kv_dim)` into `layer_kv: (..., slots, kv_dim)` (one layer of the pool, or a
     run of its layers with rows for each) where `plan` says; the result equals `layer_kv.index_copy_(-2,
     token_slots(pages, num_tokens, page_size), rows)` per layer. Queued on the current stream; each layer of both
-    tensors contiguous. Rows on another GPU than the pool first move to the pool's GPU in one peer copy (queued on
-    the rows' device's current stream, ordered with the pool's device's current stream), and are scattered there:
-    one large operation crosses the link, however scattered the pages (`copy_across` overlaps the two)."""
+    tensors contiguous, on one device (`copy_across` brings rows from another GPU)."""
     if (rows.shape[-2] != plan.num_tokens or rows.dtype != layer_kv.dtype or rows.dim() != layer_kv.dim()
             or rows.shape[:-2] != layer_kv.shape[:-2] or rows.shape[-1] != layer_kv.shape[-1]):
         raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype} for a plan of {plan.num_tokens} tokens into a "
                          f"pool layer {tuple(layer_kv.shape)} {layer_kv.dtype}")
     if rows.device != layer_kv.device:
-        # NOTE: a copy per page run (or per layer) across the link costs a fixed time per operation, far above the
-        # bytes' time at NVLink speed: stage the whole room on the pool's GPU first.
-        rows = rows.to(layer_kv.device, non_blocking=True)  # (..., num_tokens, kv_dim), contiguous
+        raise ValueError(f"rows on {rows.device}, the pool on {layer_kv.device}: copy_across moves them")
     if plan.full_pages is None:
         for src, dst, count in plan.runs:  # one run is one copy
             layer_kv[..., dst:dst + count, :].copy_(rows[..., src:src + count, :], non_blocking=True)
