@@ -150,8 +150,10 @@ class CollectiveKVReceiver(TcpKVReceiver):
         room, n = header.get("room"), header.get("num_tokens")
         layers = header.get("layers", [header.get("layer")])
         if not (_is_int(room) and _is_int(n) and 0 < n <= self._max_room_tokens and isinstance(layers, list)
-                and layers and all(_is_int(x) for x in layers) and payload.numel() == 0):
-            # Without a trustworthy block size there is no knowing what the sender's op carries.
+                and 0 < len(layers) <= self.layout.num_kv_layers and all(_is_int(x) for x in layers)
+                and payload.numel() == 0):
+            # Without a trustworthy block size there is no knowing what the sender's op carries (and nothing larger
+            # than a room of every layer is allocated for it).
             raise ProtocolError(f"LAYER announcement without a valid room, layers and token count: "
                                 f"{str(header)[:200]}")
         block = torch.empty(len(layers), n, self.layout.kv_dim, dtype=self._kv.dtype, device=self._kv.device)
