@@ -27,9 +27,10 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              caches first; the stack traced, so that the c=1 TTFT comes split into its parts with this host's bare
              gRPC hop beside it (--explain-ttft) (~5 min on an H200; extra args go to bench_serving.py, e.g.
              --models demo --concurrency 1 32)
-  pacing     what pacing buys: `serving` on the V3 slice, stack only, with the decode worker's steps back to back
-             (--decode-gpu-share 1) and as shipped (auto: a third of a contended GPU while prompts are on their way),
-             then with a fixed interval (--decode-min-step-interval-ms PACE_MS, default 20) (~3 min warm)
+  knobs      what each serving mechanism buys through `pdserve up` on the V3 slice, on and off alternating, twice:
+             decode pacing on one GPU (--decode-gpu-share auto vs 1) at concurrency 1 32 128, and layer-wise KV
+             streaming over tcp (--no-kv-layerwise) with 8k-token prompts at 1 and 8; benchmarks/knobs_report.py
+             gives each one's client-visible gain and whether it reaches 5% (~8 min on a fresh machine)
   prefill-workers  the demo model through `pdserve up` with one and with two prefill workers beside the decode worker
              on the one GPU, alternating (1, 2, 1, 2): bench_serving.py at concurrency 32 and 128 and prompts only,
              the engine alone after each stack (~3 min)
@@ -192,19 +193,29 @@ suite_serving() {  # serving.json, serving.md, and per model its up.log, bench_c
   step 560 python3 benchmarks/bench_serving.py --out "$d" --cold --explain-ttft "$@"
 }
 
-suite_pacing() {  # off/, auto/, fixed/ (serving.json, serving.md each): the V3 slice's decode pacing, stack only
-  # On one GPU the decode worker's steps take it from the prefill worker's prompts; pacing (decode_service/pacing.py)
-  # makes them fewer and fuller while prompts are on their way. The engine alone is the `serving` suite's.
-  local d=$1
+suite_knobs() {  # pacing_<off|auto>_r<k>/ and layerwise_<on|off>_r<k>/ (serving.json, serving.md each), knobs.md
+  # Each serving mechanism on and off through `pdserve up` on the V3 slice, alternating in one call, twice
+  # (benchmarks/knobs_report.py): one stays only where clients see 5% or more.
+  # - pacing (decode_service/pacing.py): on one GPU, the decode worker's steps held back while prompts are prefilled
+  #   for it (--decode-gpu-share auto) against back to back (1); concurrency 1, 32 and 128.
+  # - layer-wise KV streaming: each layer's KV sent as the prefill forward leaves it, against the whole prompt's KV
+  #   after the forward (--no-kv-layerwise); over tcp, the transport between hosts; 8k-token prompts at 1 and 8.
+  local d=$1 r mode
   shift
-  local mode flags
-  for mode in off auto fixed; do
-    flags=(--up-arg=--decode-gpu-share=1)
-    [ "$mode" = auto ] && flags=(--up-arg=--decode-gpu-share=auto)
-    [ "$mode" = fixed ] && flags+=(--up-arg=--decode-min-step-interval-ms="${PACE_MS:-20}")
-    step 200 python3 benchmarks/bench_serving.py --out "$d/$mode" --models v3 --prompts-only-concurrency 0 \
-      --concurrency 1 32 128 --skip-engine "${flags[@]}" "$@"
+  for r in 1 2; do
+    for mode in off auto; do
+      step 200 python3 benchmarks/bench_serving.py --out "$d/pacing_${mode}_r$r" --models v3 --prompts-only-concurrency 0 \
+        --concurrency 1 32 128 --skip-engine --up-arg=--decode-gpu-share="$([ "$mode" = off ] && echo 1 || echo auto)" "$@"
+    done
   done
+  for r in 1 2; do
+    for mode in on off; do
+      step 200 python3 benchmarks/bench_serving.py --out "$d/layerwise_${mode}_r$r" --models v3 --prompts-only-concurrency 0 \
+        --concurrency 1 8 --num-prompts 16 --v3-input-len 8192 --skip-engine --up-arg=--kv-transport=tcp \
+        --up-arg=--max-model-len=8400 $([ "$mode" = off ] && echo --up-arg=--no-kv-layerwise) "$@"
+    done
+  done
+  python3 benchmarks/knobs_report.py "$d" | tee "$d/knobs.md"
 }
 
 suite_overlap() {  # shipped/ and in_order/: serving.json and serving.md of each
@@ -420,7 +431,7 @@ case "$suite" in
     need_gpus 2 "$suite"
     setup_env
     run_suite "$suite" "$@" ;;
-  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | pacing | prefill-workers | overlap | ttft | \
+  tests | decode | prefill | mla | mla-tune | moe | moe-tune | spec | serving | knobs | prefill-workers | overlap | ttft | \
   trace | profile | host)
     need_gpus 1 "$suite"
     setup_env
