@@ -6,8 +6,8 @@ with the mechanism on and off, alternating, repeated; one table per mechanism an
 SUITE_DIR holds <knob>_<mode>_r<k>/serving.json. For each knob, the mode that switches the mechanism on is set in
 KNOBS. A gain is read the way a client reads it: output tok/s higher, TTFT p50 and TPOT lower; gain = on / off - 1
 for a rate, off / on - 1 for a time, so +5% is a 5% better number either way. A mechanism earns its place where some
-metric gains 5% or more in every repeat and no metric loses 5% or more in every repeat; otherwise the table says
-which.
+metric gains 5% or more in every repeat; where another metric also loses 5% or more in every repeat, it is a trade,
+and the verdict names both sides.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from collections import defaultdict
 KNOBS = {"pacing": ("auto", "off"), "layerwise": ("on", "off")}
 METRICS = (("out tok/s", lambda r: r["output_token_throughput"], "rate"),
            ("TTFT p50 ms", lambda r: r["ttft"]["median_ms"], "time"),
-           ("TPOT ms", lambda r: r["tpot"]["mean_ms"], "time"))
+           ("TPOT ms", lambda r: r["tpot"]["mean_ms"], "time"),
+           ("E2E p50 ms", lambda r: r["e2e"]["median_ms"], "time"))
 THRESHOLD = 0.05
 
 
@@ -71,7 +72,7 @@ def report(knob: str, modes: dict) -> list[str]:
     if wins and not losses:
         verdict = "**keep**: a gain of 5% or more in every repeat: " + "; ".join(wins)
     elif wins:
-        verdict = ("**mixed**: gains " + "; ".join(wins) + "; losses " + "; ".join(losses))
+        verdict = ("**keep, a trade**: gains " + "; ".join(wins) + "; for losses " + "; ".join(losses))
     else:
         verdict = "**remove**: no metric gains 5% in every repeat" + (
             "; losses " + "; ".join(losses) if losses else "")

@@ -17,7 +17,7 @@ Two limits, the later one wins (the second only while the GPU is contended, CONT
   The decode worker charges a step at the GPU time it will take once the prompts on their way have joined the batch
   (its graphs at (running + on their way) rows): those prompts are what the held-back time is for, and they arrive
   in bursts. Charged at its current batch instead, a worker that holds a few rows while 30 prompts wait steps every
-  few ms at a small batch's cost, exactly the steps that pacing is there to spare (benchmarks/results, pacing).
+  few ms at a small batch's cost, exactly the steps that pacing is there to spare (benchmarks/results, knobs).
 
 DecodePacing holds all of it for a decode worker: the StepPacer, the replay clock it reads GPU time from
 (replay_clock.py, installed through the graph runners' replay hook) and the metrics it records.
