@@ -4,6 +4,7 @@ between routers, TTLs, outages) against a real redis-server."""
 import os
 import signal
 import time
+from collections import Counter
 
 import pytest
 from redis_server import redis_fixture
@@ -130,6 +131,46 @@ def test_malformed_ownership_entries_are_skipped(redis_server):
     finally:
         c.close()
         store.close()
+
+
+def test_signed_owners_are_used_and_unsigned_or_forged_ones_skipped_and_counted(redis_server, monkeypatch):
+    """With a secret, a worker's claims are signed (block and worker id under HMAC): a router with the secret uses
+    them, and skips, naming why, an unsigned owner, a signature made with another secret, a real claim copied onto
+    another block or given to another worker, and bytes no worker writes; each verdict is reached once per
+    content; remove and drop_worker take back what was signed."""
+    from pdserve.cluster import signing
+
+    worker = RedisOwnership(redis_server.url, key_prefix="t", secret="s3cret")
+    rejected: list[tuple[str, str]] = []
+    router = RedisOwnership(redis_server.url, key_prefix="t", secret="s3cret",
+                            on_rejected=lambda why, key: rejected.append((why, key)))
+    guess = RedisOwnership(redis_server.url, key_prefix="t", secret="guess")
+    c = redis_server.client()
+    try:
+        worker.record("a", P)
+        (real,) = c.smembers(f"t:blk:{P[3].hex()}")
+        assert real.startswith(b"a|") and len(real) == 2 + 64, real
+        guess.record("b", P[:1])
+        blk0, q2 = f"t:blk:{P[0].hex()}", f"t:blk:{Q[2].hex()}"
+        c.sadd(blk0, b"c", b"\xff\xfe", b"a|" + b"0" * 64, b"c" + real[1:])
+        c.sadd(q2, real)  # P[3]'s claim, copied to a block Q holds
+        assert router.match(P) == {"a": 4}
+        assert router.match(Q) == {"a": 2}
+        # blk0 is read by both matches (Q shares P's first blocks): c, bytes, a zero mac, c with a's mac, b's guess
+        assert Counter(rejected) == {("unsigned", blk0): 2, ("malformed", blk0): 2, ("signature", blk0): 6,
+                                     ("signature", q2): 1}, rejected
+        macs = []
+        real_mac = signing.mac
+        monkeypatch.setattr(signing, "mac", lambda *a: macs.append(1) or real_mac(*a))
+        assert router.match(P) == {"a": 4} and macs == []  # verdicts kept: nothing verified again
+        worker.remove("a", [P[3]])
+        assert router.match(P) == {"a": 3}
+        worker.drop_worker("a")
+        assert router.match(P) == {} and c.smembers(f"t:blk:{P[1].hex()}") == set()
+    finally:
+        c.close()
+        for s in (worker, router, guess):
+            s.close()
 
 
 def test_key_layout_and_ttl(redis_server):

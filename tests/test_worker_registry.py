@@ -177,18 +177,18 @@ def test_a_malformed_entry_is_skipped_and_named_never_stopping_discovery(redis_s
 
 
 def test_an_unchanged_entry_is_verified_once(redis_server, monkeypatch):
-    """With the caller's `verified` dict, polls re-verify only entries whose content changed (thousands of forged
+    """With the caller's `verified` Verdicts, polls re-verify only entries whose content changed (thousands of forged
     entries cost the router a core when each was verified every second); expiry is still applied on every poll."""
-    from pdserve.cluster import worker_registry
+    from pdserve.cluster import signing, worker_registry
 
     c = redis_server.client()
     for i in range(50):
         c.set(f"t:worker:decode:forged-{i}", json.dumps(sign_registration({**DECODE, "worker_id": f"f{i}"}, "guess")))
     c.set("t:worker:decode:d0", json.dumps(sign_registration(DECODE, "s3cret")))
     macs = []
-    real_mac = worker_registry._mac
-    monkeypatch.setattr(worker_registry, "_mac", lambda *a: macs.append(1) or real_mac(*a))
-    verified: dict = {}
+    real_mac = signing.mac
+    monkeypatch.setattr(signing, "mac", lambda *a: macs.append(1) or real_mac(*a))
+    verified = signing.Verdicts()
     for _ in range(3):
         found = discover_workers(c, "decode", "t", secret="s3cret", verified=verified)
         assert [w["worker_id"] for w in found] == ["d0"]

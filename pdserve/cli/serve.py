@@ -227,7 +227,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         if args.redis_url:
             from pdserve.cluster.ownership import RedisOwnership
 
-            store = RedisOwnership(args.redis_url)
+            # Signed with the internal token, as the registration is: a router with the token uses only signed claims.
+            store = RedisOwnership(args.redis_url, secret=getattr(args, "internal_token", None))
             try:  # a restarted worker with a stable id holds nothing yet
                 store.drop_worker(worker.identity.worker_id)
             except Exception as e:
@@ -352,23 +353,34 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
         from pdserve.cluster.ownership import redis_client
         from pdserve.cluster.worker_registry import RegistryUnavailable, discover_workers
 
+        from pdserve.cluster.signing import Verdicts
+
         client = redis_client(args.redis_url)
         secret = getattr(args, "internal_token", None)
-        warned: dict[str, float] = {}  # reason -> when it was last logged
-        verified: dict[str, dict] = {"prefill": {}, "decode": {}}  # per role: entry content -> signature verdict
+        warned: dict[str, float] = {}  # what was logged -> when
+        verified = {"prefill": Verdicts(), "decode": Verdicts()}  # per role: entry content -> signature verdict
+        why = {"malformed": "malformed", "unsigned": "not signed", "signature": "signed with another --internal-token",
+               "expired": "signed too long ago"}
+
+        def warn_once_a_minute(what: str, message: str, *args) -> None:
+            # One warning per kind a minute, however many entries: registrations are read every second, a block's
+            # owners on every prompt starting with it, and forged entries may be many.
+            if time.monotonic() - warned.get(what, -60.0) >= 60.0:
+                warned[what] = time.monotonic()
+                log.warning(message, *args)
 
         def rejected(key: str, reason: str, info: dict) -> None:
-            # Never dialled, so never sent the token. One warning per reason a minute, however many entries: the
-            # check runs every second, and forged entries may be many.
+            # Never dialled, so never sent the token.
             metrics.count(metrics.registrations_rejected, reason=reason)
-            if time.monotonic() - warned.get(reason, -60.0) >= 60.0:
-                warned[reason] = time.monotonic()
-                log.warning("ignoring worker registrations that are %s, e.g. %s (worker %r, address %r); "
-                            "pdserve_worker_registrations_rejected_total counts them", {
-                                "malformed": "malformed", "unsigned": "not signed",
-                                "signature": "signed with another --internal-token",
-                                "expired": "signed too long ago"}[reason], key, str(info.get("worker_id"))[:64],
-                            str(info.get("address"))[:64])
+            warn_once_a_minute(reason, "ignoring worker registrations that are %s, e.g. %s (worker %r, address %r); "
+                               "pdserve_worker_registrations_rejected_total counts them", why[reason], key,
+                               str(info.get("worker_id"))[:64], str(info.get("address"))[:64])
+
+        def owner_rejected(reason: str, key: str) -> None:
+            # Never used for routing; the prompt on that block is routed by the owners that verify, or by load.
+            metrics.count(metrics.ownership_rejected, reason=reason)
+            warn_once_a_minute("owner " + reason, "ignoring prefix-ownership entries that are %s, e.g. in %s; "
+                               "pdserve_prefix_ownership_rejected_total counts them", why[reason], key)
 
         def discover(role: str):
             try:
@@ -377,7 +389,7 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
             except RegistryUnavailable:  # Redis away: keep the workers we know
                 metrics.count(metrics.redis_errors)
                 return None
-        ownership = OWNERSHIP_STORES.get("redis")(args.redis_url)
+        ownership = OWNERSHIP_STORES.get("redis")(args.redis_url, secret=secret, on_rejected=owner_rejected)
     else:
         discover = None
         ownership = OWNERSHIP_STORES.get("memory")()

@@ -7,6 +7,10 @@ predecessors cannot be reused). Ownership is advisory: a stale entry costs one p
 Two stores, chosen by name from `OWNERSHIP_STORES`:
   "memory"  in-process, for a single router that learns ownership from the responses it forwards (the default);
   "redis"   shared by several routers, written by the prefill workers themselves (or by the routers).
+
+What is read from Redis is untrusted input (anyone who can write to Redis can write a block's owner): an entry no
+worker wrote is skipped, never an error for the prompt it sits on; with a secret, entries are signed and only those
+that verify are used (RedisOwnership).
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ from __future__ import annotations
 import re
 import threading
 from abc import ABC, abstractmethod
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pdserve.common.registry import Registry
+
+from .signing import Verdicts, mac, signature_matches
 
 
 class OwnershipUnavailable(RuntimeError):
@@ -127,25 +133,46 @@ def redis_client(url: str, socket_timeout: float = 0.5) -> redis.Redis:
 REDIS_ERRORS = (redis.RedisError, OSError)
 
 
+OWNER_DOMAIN = b"pdserve-prefix-owner"
+MAX_WORKER_ID_CHARS = 256
+SIGNATURE_CHARS = 64  # an HMAC-SHA256 in hex
+# Verdicts kept on owner entries before they are all forgotten (each is a block and one worker's claim on it).
+MAX_OWNER_VERDICTS = 1 << 16
+
+
 @OWNERSHIP_STORES.register("redis")
 class RedisOwnership(OwnershipStore):
     """Ownership in Redis, shared by every router and prefill worker pointing at the same server and prefix.
 
     Keys (hex = the block hash in lowercase hex):
-      {prefix}:blk:{hex}       SET of worker ids holding that block
+      {prefix}:blk:{hex}       SET of the owners of that block: worker ids, or with a secret "{worker id}|{mac}"
       {prefix}:wblk:{worker}   SET of hex hashes the worker holds (so drop_worker finds them)
     Both expire `ttl_s` after the last record() touching them: the backstop for a worker that died unannounced.
+
+    With `secret` (the internal token) every owner is written signed: mac = HMAC-SHA256 of the block and the worker
+    id, so a claim copied to another block, or naming another worker, does not verify; match() uses only owners that
+    verify and passes each other one to on_rejected(reason, key) (reason: "malformed", "unsigned", "signature").
+    NOTE: a claim carries no time, unlike a registration: a set member must be the same bytes to be removed, and a
+    replayed claim only repeats what that worker once held (ownership is advisory: one prefix miss at worst).
     """
 
-    def __init__(self, url: str, key_prefix: str = "pdserve", socket_timeout: float = 0.5, ttl_s: int = 3600):
-        self.key_prefix, self.ttl_s = key_prefix, int(ttl_s)
+    def __init__(self, url: str, key_prefix: str = "pdserve", socket_timeout: float = 0.5, ttl_s: int = 3600,
+                 secret: Optional[str] = None, on_rejected: Optional[Callable[[str, str], None]] = None):
+        self.key_prefix, self.ttl_s, self._secret, self._on_rejected = key_prefix, int(ttl_s), secret, on_rejected
         self._redis = redis_client(url, socket_timeout)
+        self._verdicts: Verdicts[tuple[Optional[str], Optional[str]]] = Verdicts()
 
     def _blk(self, hex_hash: str) -> str:
         return f"{self.key_prefix}:blk:{hex_hash}"
 
     def _wblk(self, worker_id: str) -> str:
         return f"{self.key_prefix}:wblk:{worker_id}"
+
+    def _owner(self, hex_hash: str, worker_id: str) -> str:
+        """The set member naming worker_id as an owner of block hex_hash: signed when there is a secret."""
+        if not self._secret:
+            return worker_id
+        return f"{worker_id}|{mac(self._secret, OWNER_DOMAIN, _owner_payload(hex_hash, worker_id))}"
 
     def _run(self, fill, transaction: bool = False) -> list:
         """Queue commands with `fill(pipe)` and send them in one round trip; any Redis failure -> OwnershipUnavailable.
@@ -166,7 +193,7 @@ class RedisOwnership(OwnershipStore):
 
         def fill(pipe) -> None:
             for hx in hexes:
-                pipe.sadd(self._blk(hx), worker_id)
+                pipe.sadd(self._blk(hx), self._owner(hx, worker_id))
                 pipe.expire(self._blk(hx), self.ttl_s)
             pipe.sadd(self._wblk(worker_id), *hexes)
             pipe.expire(self._wblk(worker_id), self.ttl_s)
@@ -179,19 +206,43 @@ class RedisOwnership(OwnershipStore):
 
         def fill(pipe) -> None:
             for hx in hexes:
-                pipe.srem(self._blk(hx), worker_id)  # Redis deletes a set once it is empty
+                pipe.srem(self._blk(hx), self._owner(hx, worker_id))  # Redis deletes a set once it is empty
             pipe.srem(self._wblk(worker_id), *hexes)
         self._run(fill)
 
     def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
         if not hashes:
             return {}
+        hexes = [bytes(h).hex() for h in hashes]
 
         def fill(pipe) -> None:
-            for h in hashes:
-                pipe.smembers(self._blk(bytes(h).hex()))
+            for hx in hexes:
+                pipe.smembers(self._blk(hx))
         owner_sets = self._run(fill)
-        return leading_runs({w for w in map(_worker_id, members) if w is not None} for members in owner_sets)
+        self._verdicts.bound(MAX_OWNER_VERDICTS)
+        return leading_runs({w for w in (self._verified_owner(hx, m) for m in members) if w is not None}
+                            for hx, members in zip(hexes, owner_sets))
+
+    def _verified_owner(self, hex_hash: str, member: bytes) -> Optional[str]:
+        """The worker id a block's set member names, or None (reported to on_rejected) for one no worker wrote."""
+        if not self._secret:
+            return _worker_id(member)
+        worker_id, problem = self._verdicts.get((hex_hash, member), lambda: self._check_owner(hex_hash, member))
+        if problem is not None and self._on_rejected is not None:
+            self._on_rejected(problem, self._blk(hex_hash))
+        return worker_id
+
+    def _check_owner(self, hex_hash: str, member: bytes) -> tuple[Optional[str], Optional[str]]:
+        """(worker id, None) for a member signed with the secret, else (None, why not)."""
+        text = _worker_id(member, MAX_WORKER_ID_CHARS + 1 + SIGNATURE_CHARS)
+        if text is None:
+            return None, "malformed"
+        worker_id, sep, signature = text.rpartition("|")
+        if not sep or not worker_id:
+            return None, "unsigned"
+        if not signature_matches(signature, self._secret, OWNER_DOMAIN, _owner_payload(hex_hash, worker_id)):
+            return None, "signature"
+        return worker_id, None
 
     def drop_worker(self, worker_id: str) -> None:
         index = self._wblk(worker_id)
@@ -203,7 +254,9 @@ class RedisOwnership(OwnershipStore):
         def forget_blocks(pipe) -> None:
             for hx in held:
                 if _HEX.fullmatch(hx):  # (Redis data is untrusted: anything else names no block of ours)
-                    pipe.srem(self._blk(hx.decode()), worker_id)
+                    hx = hx.decode()
+                    # Both forms: what this worker wrote before a restart with (or without) the secret goes too.
+                    pipe.srem(self._blk(hx), worker_id, self._owner(hx, worker_id))
         # Read and delete the index atomically (MULTI), so blocks recorded meanwhile land in a fresh index.
         held, _ = self._run(take_index, transaction=True)
         if held:
@@ -216,11 +269,15 @@ class RedisOwnership(OwnershipStore):
 _HEX = re.compile(rb"[0-9a-f]{1,128}")
 
 
-def _worker_id(member: bytes) -> Optional[str]:
+def _owner_payload(hex_hash: str, worker_id: str) -> bytes:
+    return f"{hex_hash}\0{worker_id}".encode()
+
+
+def _worker_id(member: bytes, max_chars: int = MAX_WORKER_ID_CHARS) -> Optional[str]:
     """A block owner's id as the store holds it, or None for a member no worker wrote (Redis data is untrusted:
     one such entry must not fail the prompts whose block it sits on)."""
     try:
         text = member.decode()
     except UnicodeDecodeError:
         return None
-    return text if text and text.isprintable() and len(text) <= 256 else None
+    return text if text and text.isprintable() and len(text) <= max_chars else None

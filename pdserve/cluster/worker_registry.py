@@ -15,8 +15,6 @@ Redis decides where the router sends prompts.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import threading
@@ -26,6 +24,7 @@ from typing import Callable, Optional, Union
 import redis
 
 from .ownership import REDIS_ERRORS, redis_client
+from .signing import Verdicts, mac, signature_matches
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -40,9 +39,15 @@ def worker_key(key_prefix: str, role: str, worker_id: str) -> str:
     return f"{key_prefix}:worker:{role}:{worker_id}"
 
 
+REGISTRATION_DOMAIN = b"pdserve-worker-registration"
+
+
 def _mac(secret: str, fields: dict) -> str:
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(secret.encode(), b"pdserve-worker-registration\0" + canonical, hashlib.sha256).hexdigest()
+    return mac(secret, REGISTRATION_DOMAIN, _canonical(fields))
+
+
+def _canonical(fields: dict) -> bytes:
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 def sign_registration(info: dict, secret: str, now: Optional[float] = None) -> dict:
@@ -62,12 +67,17 @@ def _signature_problem(info: dict, secret: str) -> Optional[str]:
     signature, signed_at = info.get("signature"), info.get("signed_at")
     if not isinstance(signature, str) or not isinstance(signed_at, (int, float)) or isinstance(signed_at, bool):
         return "unsigned"
-    if not signature.isascii():  # (a hex digest is; anything else cannot even be compared as bytes)
-        return "signature"
     fields = {k: v for k, v in info.items() if k != "signature"}
-    if not hmac.compare_digest(signature.encode(), _mac(secret, fields).encode()):
-        return "signature"
-    return None
+    return None if signature_matches(signature, secret, REGISTRATION_DOMAIN, _canonical(fields)) else "signature"
+
+
+def _verdict(info: dict, secret: str) -> Optional[str]:
+    """_signature_problem, or "malformed" for values no worker writes (the check must never raise: one such entry
+    stopped every refresh)."""
+    try:
+        return _signature_problem(info, secret)
+    except (ValueError, TypeError, UnicodeError, RecursionError):
+        return "malformed"
 
 
 def _age_problem(info: dict, now: Optional[float], max_age_s: float) -> Optional[str]:
@@ -151,15 +161,15 @@ def _glob_escape(text: str) -> str:
 def discover_workers(redis_or_url: Union[str, redis.Redis], role: str, key_prefix: str = "pdserve",
                      socket_timeout: float = 0.5, secret: Optional[str] = None,
                      on_rejected: Optional[Callable[[str, str, dict], None]] = None,
-                     verified: Optional[dict] = None) -> list[dict]:
+                     verified: Optional[Verdicts] = None) -> list[dict]:
     """Info dicts of the registered workers of `role`, sorted by worker_id; malformed entries are skipped.
 
     Every entry is untrusted input: one that does not parse, or holds values no worker writes, is skipped (and,
     with `secret`, passed to on_rejected as "malformed"); it never stops the others from being read. With `secret`,
     only entries signed with it and fresh are returned; each other one is passed to on_rejected(key, reason, info)
-    (reason: "malformed", "unsigned", "signature", "expired"). `verified`: a dict the caller keeps between polls,
+    (reason: "malformed", "unsigned", "signature", "expired"). `verified`: Verdicts the caller keeps between polls,
     where each entry's signature verdict is kept by its exact content, so an unchanged entry is not verified again
-    (bounded by the caller's entries). Pass a client to reuse its connections when polling; a URL opens and closes
+    (bounded by the number of entries). Pass a client to reuse its connections when polling; a URL opens and closes
     one per call. Uses SCAN (never KEYS, which blocks Redis). Raises RegistryUnavailable when Redis cannot be
     reached."""
     if role not in ROLES:
@@ -174,8 +184,8 @@ def discover_workers(redis_or_url: Union[str, redis.Redis], role: str, key_prefi
     finally:
         if own:
             client.close()
-    if verified is not None and len(verified) > 4 * len(values) + 1024:
-        verified.clear()  # entries that are gone
+    if verified is not None:
+        verified.bound(4 * len(values) + 1024)
     workers = []
     for key, raw in zip(keys, values):
         if raw is None:
@@ -193,14 +203,9 @@ def discover_workers(redis_or_url: Union[str, redis.Redis], role: str, key_prefi
             continue
         problem = None
         if secret:
-            try:
-                cached = verified.get(raw, ()) if verified is not None else ()
-                problem = cached if cached != () else _signature_problem(info, secret)
-                if verified is not None:
-                    verified[raw] = problem
-                problem = problem or _age_problem(info, None, SIGNATURE_MAX_AGE_S)
-            except (ValueError, TypeError, UnicodeError, RecursionError):  # values no worker writes
-                problem = "malformed"
+            check = lambda: _verdict(info, secret)  # noqa: E731
+            problem = verified.get(raw, check) if verified is not None else check()
+            problem = problem or _age_problem(info, None, SIGNATURE_MAX_AGE_S)
         if problem is not None:
             if on_rejected is not None:
                 on_rejected(name, problem, info)

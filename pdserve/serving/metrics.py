@@ -39,6 +39,7 @@ class Metrics:
     router_decisions: Counter  # by reason: prefix_hit, load
     redis_errors: Counter
     registrations_rejected: Counter  # router: Redis worker entries refused (by reason: signature, expired, unsigned)
+    ownership_rejected: Counter  # router: Redis prefix-ownership entries refused (by reason)
     workers_down: Counter  # router: workers taken out of routing (by reason: refused, missed_checks, stalled)
     spec_accept_length: Histogram  # speculative decoding: tokens emitted per verification row that drafted
     spec_draft_seconds: Histogram  # per round: the MTP draft chain and the draft extend
@@ -87,6 +88,9 @@ class Metrics:
             registrations_rejected=counter("pdserve_worker_registrations_rejected",
                                            "Worker entries in Redis the router refused to use (forged or stale)",
                                            ["reason"]),
+            ownership_rejected=counter("pdserve_prefix_ownership_rejected",
+                                       "Prefix-ownership entries in Redis the router refused to use (malformed, or "
+                                       "not signed with its --internal-token), by reason", ["reason"]),
             workers_down=counter("pdserve_workers_down", "Workers the router took out of routing", ["reason"]),
             spec_accept_length=hist("pdserve_spec_accept_length",
                                     "Speculative decoding: tokens per verification row (accepted drafts + 1)",
