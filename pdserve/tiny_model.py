@@ -101,12 +101,15 @@ def train_tokenizer(out_dir: str, vocab_size: int) -> int:
     """Byte-level BPE trained on the built-in corpus; returns the real vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from pdserve.common.tokenizer import add_bos_processor
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS] * 4, trainer)
+    add_bos_processor(tok, BOS)  # what add_bos_token says, in the file transformers reads (common/tokenizer.py)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"add_bos_token": True, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS,

@@ -110,6 +110,7 @@ def load_corpus(max_chars: int) -> tuple[list[str], list[str]]:
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from pdserve.common.tokenizer import add_bos_processor
     from pdserve.tiny_model import BOS, CHAT_TEMPLATE, EOS
 
     tok = Tokenizer(models.BPE())
@@ -118,6 +119,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
+    add_bos_processor(tok, BOS)  # what add_bos_token says, in the file transformers reads (common/tokenizer.py)
     tok.save(str(out_dir / "tokenizer.json"))
     with open(out_dir / "tokenizer_config.json", "w") as f:
         json.dump({"add_bos_token": True, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS,

@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pdserve.common.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from pdserve.common.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, add_bos_processor
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 CORPUS = [
@@ -21,7 +21,9 @@ TEXTS = [
 ]
 
 
-def _write_model_dir(path, tokenizer_config=None, generation_config=None):
+def _write_model_dir(path, tokenizer_config=None, generation_config=None, bos_processor=None):
+    """bos_processor: tokenizer.json puts BOS in front (as DeepSeek-V3's does); by default when the config says
+    add_bos_token."""
     # A small vocabulary (256 bytes + few merges) so that most non-ASCII characters span several tokens.
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -30,6 +32,8 @@ def _write_model_dir(path, tokenizer_config=None, generation_config=None):
         vocab_size=300, special_tokens=[BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
+    if bos_processor if bos_processor is not None else (tokenizer_config or {}).get("add_bos_token"):
+        add_bos_processor(tok, BOS)
     tok.save(str(path / "tokenizer.json"))
     if tokenizer_config is not None:
         (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
@@ -76,6 +80,40 @@ def test_without_config_no_bos(tmp_path):
     assert tok.bos_token_id is None and tok.eos_token_ids == set()
     assert tok.decode(tok.encode("hello 東京")) == "hello 東京"
     assert tok.encode("hello")[0] != 0
+
+
+TRUTH_TEXTS = TEXTS + ["hello world", "", " leading space", "def f(x):\n    return x"]
+
+
+@pytest.mark.parametrize("bos_processor", [True, False])
+def test_text_is_encoded_as_transformers_encodes_it(tmp_path, bos_processor):
+    """One tokenization: the ids a client's AutoTokenizer gives for a text are the server's for that text."""
+    from transformers import AutoTokenizer
+
+    model_dir = _write_model_dir(tmp_path, {**DEEPSEEK_STYLE, "add_bos_token": bos_processor})
+    ours, theirs = Tokenizer.from_model_dir(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    assert ours.add_bos_token == bos_processor
+    for text in TRUTH_TEXTS:
+        assert ours.encode(text) == theirs(text).input_ids == ours.encode(text, release_gil=True), text
+
+
+def test_the_demo_model_tokenizes_as_transformers_does(trained_model_dir):
+    """models/tiny-trained: AutoTokenizer adds the BOS the server adds (it gave ids without it)."""
+    from transformers import AutoTokenizer
+
+    ours, theirs = Tokenizer.from_model_dir(trained_model_dir), AutoTokenizer.from_pretrained(str(trained_model_dir))
+    for text in TRUTH_TEXTS:
+        assert ours.encode(text) == theirs(text).input_ids, text
+    assert ours.encode("hello world")[0] == ours.bos_token_id == theirs.bos_token_id
+
+
+def test_a_config_that_disagrees_with_tokenizer_json_is_named(tmp_path, caplog):
+    """add_bos_token true in tokenizer_config.json, no BOS post-processor in tokenizer.json: transformers adds no
+    BOS, so neither does the server, and the log says the two files disagree."""
+    with caplog.at_level("WARNING", logger="pdserve.common.tokenizer"):
+        tok = Tokenizer.from_model_dir(_write_model_dir(tmp_path, DEEPSEEK_STYLE, bos_processor=False))
+    assert tok.encode("hello")[0] != tok.bos_token_id
+    assert "add_bos_token true but tokenizer.json's post_processor adds no BOS" in caplog.text
 
 
 def test_generation_config_eos_ids_are_added(tmp_path):

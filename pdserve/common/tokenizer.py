@@ -1,15 +1,23 @@
 """Text <-> token ids for a model directory (`tokenizer.json` + `tokenizer_config.json`), and streaming decode.
 
-Only the `tokenizers` library is used at serving time; transformers is not needed.
+Only the `tokenizers` library is used at serving time; transformers is not needed. A text is encoded as a client's
+`AutoTokenizer.from_pretrained(model_dir)(text)` encodes it: the special tokens around it (a BOS in front, for the
+DeepSeek models) are those tokenizer.json's post-processor adds, which is what transformers applies too (version 5
+reads nothing else; tokenizer_config.json's `add_bos_token` should agree, and a warning says when it does not). So a
+client that tokenizes on its side (lm-eval's loglikelihood) scores the same sequence as a text request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Optional, Sequence
 
 import tokenizers
+from tokenizers import processors
+
+log = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for bytes of an unfinished UTF-8 character
 
@@ -30,24 +38,31 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def add_bos_processor(tok: tokenizers.Tokenizer, bos_token: str) -> None:
+    """Makes `tok` put `bos_token` in front of every text it encodes with special tokens (a TemplateProcessing
+    post-processor in tokenizer.json, as DeepSeek-V3's has): transformers and pdserve then both add it."""
+    special = [(bos_token, tok.token_to_id(bos_token))]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos_token} $A",
+                                                       pair=f"{bos_token} $A {bos_token} $B", special_tokens=special)
+
+
 class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the bos/eos settings that live in tokenizer_config.json."""
+    """A `tokenizers.Tokenizer` plus the bos/eos tokens that live in tokenizer_config.json."""
 
     def __init__(
         self,
         tok: tokenizers.Tokenizer,
         bos_token: Optional[str] = None,
         eos_tokens: Sequence[str] = (),
-        add_bos_token: bool = False,
         extra_eos_token_ids: Sequence[int] = (),
     ):
         self._tok = tok
         self._max_token_chars: Optional[int] = None
-        self.add_bos_token = add_bos_token
         self._bos_id = None if bos_token is None else self._id_of(bos_token, "bos_token")
         self._eos_ids = frozenset([self._id_of(t, "eos_token") for t in eos_tokens] + list(extra_eos_token_ids))
-        if add_bos_token and self._bos_id is None:
-            raise ValueError("add_bos_token is true but no bos_token is configured in tokenizer_config.json")
+        # What the post-processor puts around a text: [bos] for DeepSeek's tokenizer.json, [] without one.
+        around = tok.encode("", add_special_tokens=True).ids
+        self.add_bos_token = bool(around) and around[0] == self._bos_id
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike) -> Optional["Tokenizer"]:
@@ -63,13 +78,19 @@ class Tokenizer:
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         gen_eos = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
         eos = _token_content(cfg.get("eos_token"))
-        return cls(
+        tokenizer = cls(
             tokenizers.Tokenizer.from_file(tok_file),
             bos_token=_token_content(cfg.get("bos_token")),
             eos_tokens=() if eos is None else (eos,),
-            add_bos_token=bool(cfg.get("add_bos_token", False)),
             extra_eos_token_ids=[] if gen_eos is None else ([gen_eos] if isinstance(gen_eos, int) else gen_eos),
         )
+        said = cfg.get("add_bos_token")
+        if said is not None and bool(said) != tokenizer.add_bos_token:
+            log.warning("%s: tokenizer_config.json sets add_bos_token %s but tokenizer.json's post_processor %s "
+                        "BOS; pdserve, like transformers, follows tokenizer.json (texts are encoded %s BOS): make the "
+                        "two agree", path, str(bool(said)).lower(), "adds" if tokenizer.add_bos_token else "adds no",
+                        "with" if tokenizer.add_bos_token else "without")
+        return tokenizer
 
     def _id_of(self, token: str, field: str) -> int:
         tid = self._tok.token_to_id(token)
@@ -78,19 +99,20 @@ class Tokenizer:
         return tid
 
     def encode(self, text: str, release_gil: bool = False) -> list[int]:
-        """Token ids of `text`, with bos prepended when add_bos_token is set. release_gil: let other Python threads
-        (an event loop) run meanwhile, for long texts encoded on a worker thread.
+        """Token ids of `text`, with the special tokens tokenizer.json's post-processor adds (bos in front for the
+        DeepSeek models), as transformers encodes it. release_gil: let other Python threads (an event loop) run
+        meanwhile, for long texts encoded on a worker thread.
 
         Special-token strings in the text (e.g. a chat template's own bos) are parsed as special tokens; bos is
-        not prepended a second time when the text already starts with it.
+        not prepended a second time when the text already starts with it (a rendered chat template does; this is
+        where pdserve differs from `AutoTokenizer(text)`, which would double it).
         """
-        # NOTE: add_special_tokens=False so a post-processor in tokenizer.json cannot add a second bos.
         if release_gil:  # encode_batch runs without the GIL; encode holds it for the whole text
-            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+            ids = self._tok.encode_batch([text], add_special_tokens=True)[0].ids
         else:
-            ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and (not ids or ids[0] != self._bos_id):
-            ids.insert(0, self._bos_id)
+            ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self.add_bos_token and len(ids) > 1 and ids[1] == self._bos_id:
+            del ids[0]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
