@@ -8,6 +8,7 @@ problem and exit with status 2; nothing is half-written. An error raised inside 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from typing import Optional, Sequence
@@ -191,7 +192,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command in SERVER_COMMANDS:
         stop_on_ctrl_c()
     try:
-        return args.func(args)
+        status = args.func(args)
+        if args.command in SERVER_COMMANDS:
+            # NOTE: a server's process ends here, and the interpreter's exit walks every object left (torch and the
+            # model leave many), which a stop on SIGTERM should not wait for: frozen objects are skipped.
+            gc.freeze()
+        return status
     except (UsageError, ValueError, OSError, RuntimeError) as e:  # (FileExistsError, TimeoutError: OSErrors)
         if not _raised_by_pdserve(e):
             raise  # an internal error: its traceback, exit 1

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import signal
 import time
+import weakref
 from typing import Awaitable, Callable, Iterable, Optional, Sequence
 
 import grpc
@@ -81,14 +82,28 @@ def _same_kind(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandle
 class Drain(grpc.aio.ServerInterceptor):
     """Graceful drain. Counts the calls doing work (`tracked` method names); once `draining`, calls to `refused`
     methods (new work: Generate, Reserve, Prefill, and GetLoad so routers drop this worker) end with UNAVAILABLE,
-    which a router retries elsewhere, while tracked calls already running finish."""
+    which a router retries elsewhere, while tracked calls already running finish. Keeps every call's task, so that
+    a stop can let the calls it ended finish (`calls_ended`)."""
 
     def __init__(self, tracked: Iterable[str] = (), refused: Iterable[str] = ()):
         self.tracked, self.refused = frozenset(tracked), frozenset(refused)
         self.draining = False
         self.in_flight = 0
+        self._calls: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+
+    async def calls_ended(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) for the tasks of the calls a stop ended. NOTE: grpc.aio ends a call by
+        cancelling its task, which then needs a turn of the loop: a process that returned from asyncio.run first
+        would cancel it again, and grpc prints that as a CancelledError traceback."""
+        pending = [t for t in self._calls if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+        await asyncio.sleep(0)  # (the task grpc wraps each call's task in finishes one turn later)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        task = asyncio.current_task()  # the call's: interceptors run in it
+        if task is not None:
+            self._calls.add(task)
         handler = await continuation(details)
         if handler is None:
             return None
@@ -294,7 +309,9 @@ async def start_serving(server: grpc.aio.Server) -> None:
         await h.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-DRAIN_NOTICE_S = 1.0  # on SIGTERM, the port keeps answering NOT_SERVING at least this long (capped by grace_s)
+# Once nothing is in flight, the calls still open carry no work (a router's PrefillStream or DecodeStream between
+# requests, a health Watch): a stop gives them this long to write what they already answered, then ends them.
+IDLE_CALLS_GRACE_S = 0.1
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -313,25 +330,25 @@ def stop_on_signals() -> asyncio.Event:
 
 async def serve_until_signal(server: grpc.aio.Server, grace_s: float,
                              on_stop: Optional[Callable[[], Awaitable[None]]] = None,
-                             notice_s: float = DRAIN_NOTICE_S, stop: Optional[asyncio.Event] = None) -> None:
+                             stop: Optional[asyncio.Event] = None) -> None:
     """Run until SIGTERM/SIGINT/SIGHUP (or `stop`, from stop_on_signals, is set), then drain: health reports
     NOT_SERVING, new work is refused with UNAVAILABLE, work in flight gets up to grace_s to finish; then the server
     stops (cancelling what is left) and on_stop runs.
-    NOTE: the port stays open answering NOT_SERVING for min(notice_s, grace_s) even when nothing is in flight, so
-    that health checkers and routers polling it see the drain instead of a closed port."""
+    An idle process has nothing to wait for and stops at once: its closed port takes it out of a router's rotation
+    as surely as a NOT_SERVING answer would (a refused check counts at once)."""
     stop = stop or stop_on_signals()
     waiter = asyncio.create_task(server.wait_for_termination())
     await asyncio.wait([waiter, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     await server._pdserve_health.enter_graceful_shutdown()  # type: ignore[attr-defined]
     drain: Drain = server._pdserve_drain  # type: ignore[attr-defined]
     drain.draining = True
-    start = time.monotonic()
-    deadline, notice_end = start + grace_s, start + min(notice_s, grace_s)
-    while (drain.in_flight or time.monotonic() < notice_end) and time.monotonic() < deadline:
+    deadline = time.monotonic() + grace_s
+    while drain.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if drain.in_flight:
         log.warning("drain timeout (%.0f s) reached with %d calls in flight: cancelling them", grace_s,
                     drain.in_flight)
-    await server.stop(1.0)
+    await server.stop(1.0 if drain.in_flight else IDLE_CALLS_GRACE_S)
+    await drain.calls_ended(1.0)
     if on_stop is not None:
         await on_stop()
