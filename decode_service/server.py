@@ -19,7 +19,7 @@ import grpc
 
 from pdserve.common.trace import mark
 from pdserve.engine import EngineConfig, LLMEngine
-from pdserve.kv_transfer import KVTransferError, RequestReceiver, TRANSPORTS, check_transport_device
+from pdserve.kv_transfer import ERROR_KINDS, KVTransferError, RequestReceiver, TRANSPORTS, check_transport_device
 from pdserve.serving.auth import SecurityConfig, internal_auth
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
@@ -28,7 +28,9 @@ from pdserve.serving.grpc_shell import (
 from pdserve.serving.metrics import Metrics, SpecMetrics
 from pdserve.serving.rpc_convert import layout_to_proto, sampling_from_proto
 from pdserve.serving.warmup import WarmupReport, warm_up_worker
-from pdserve.serving.worker_common import WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread
+from pdserve.serving.worker_common import (
+    WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread, start_metrics,
+)
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -38,9 +40,11 @@ from .pacing import DecodePacing
 from .streams import Connection, StreamHub
 
 log = logging.getLogger(__name__)
-# A reservation that no DecodeStream call has attached this long after Reserve answered is released: the router
-# attaches right after the answer, so its absence means the request ended (deadline, cancel, router gone).
-RESERVATION_ATTACH_S = 1.0
+# A reservation that no DecodeStream call has attached this long after Reserve answered (or by the request's
+# deadline, if sooner) is released: the router attaches right after the answer, so its absence means the request
+# ended (deadline, cancel, router gone). NOTE: not shorter than a busy router's event loop may take to send the
+# attach; a router whose attach still comes too late gets NOT_FOUND and retries the request on another worker.
+RESERVATION_ATTACH_S = 5.0
 # The requests_total outcome of each way a request ends.
 OUTCOMES = {Phase.DONE: "finished", Phase.CANCELLED: "aborted", Phase.FAILED: "failed"}
 
@@ -80,6 +84,7 @@ class DecodeWorker:
                  core: Optional[LLMEngine] = None):
         self.config, self.identity, self.metrics = config, identity, metrics
         self.core = core or LLMEngine(config.engine)
+        start_metrics(metrics, self.core, config.kv_transport, TRANSPORTS, ERROR_KINDS)
         self.core.spec_observer = SpecMetrics(metrics)  # pdserve_spec_* histograms (recorded only when speculating)
         self.warmup_report: Optional[WarmupReport] = None
         self.layout = kv_layout(self.core, self.core.model.has_mtp_weights)
@@ -228,7 +233,9 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             await abort_with(context, e)
         # Registered before any output can exist: outputs are produced only after the KV arrives.
         stream = w.streams.open(rid)
-        asyncio.get_running_loop().call_later(RESERVATION_ATTACH_S, self._release_unattached, stream)
+        left = context.time_remaining()  # (None: the request has no deadline)
+        release_in = RESERVATION_ATTACH_S if left is None else min(RESERVATION_ATTACH_S, left)
+        asyncio.get_running_loop().call_later(release_in, self._release_unattached, stream)
         return pb.ReserveResponse(room=r.room, kv_endpoint=w.kv_endpoint, dst_pages=r.pages,
                                   layout=layout_to_proto(w.layout), skip_mtp_kv=w.skip_mtp_kv)
 
@@ -266,8 +273,8 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
         if stream.conn is not None or w.streams.get(stream.request_id) is not stream:
             return
         w.streams.drop(stream.request_id, finished=True)
-        log.info("request %s: no DecodeStream call attached it within %g s of its reservation; releasing it",
-                 stream.request_id, RESERVATION_ATTACH_S)
+        log.info("request %s: no DecodeStream call attached it within %g s of its reservation, or by its deadline; "
+                 "releasing it", stream.request_id, RESERVATION_ATTACH_S)
         w.abort(stream.request_id)
 
 

@@ -17,7 +17,7 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_shell import (
     Drain, ServiceError, create_server, invalid, serve_until_signal, start_serving, status_of,
 )
-from pdserve.kv_transfer import KVTransferError, SendHandle, TRANSPORTS, check_transport_device
+from pdserve.kv_transfer import ERROR_KINDS, KVTransferError, SendHandle, TRANSPORTS, check_transport_device
 from pdserve.serving.metrics import Metrics
 from pdserve.serving.rpc_convert import (
     layout_from_proto, layout_to_proto, logprob_to_proto, logprobs_to_proto, sampling_from_proto,
@@ -27,7 +27,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, warm_up_worker
 from pdserve.serving.worker_common import (
-    WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread,
+    WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread, start_metrics,
 )
 
 from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob, PrefillResult
@@ -70,6 +70,7 @@ class PrefillWorker:
                  core: Optional[LLMEngine] = None):
         self.config, self.identity, self.metrics = config, identity, metrics
         self.core = core or LLMEngine(config.engine)
+        start_metrics(metrics, self.core, config.kv_transport, TRANSPORTS, ERROR_KINDS)
         self.warmup_report: Optional[WarmupReport] = None
         self._evicted: list[bytes] = []  # piggybacked on responses for a router without Redis
         self.core.prefix_cache.on_evict = self._evicted.extend

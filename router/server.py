@@ -16,7 +16,8 @@ import grpc
 
 from pdserve.serving.auth import BearerAuthInterceptor
 from pdserve.serving.grpc_shell import (
-    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, start_serving,
+    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, message_fields,
+    start_serving,
 )
 from pdserve.serving.metrics import Metrics
 from pdserve.common.blocks import block_hashes
@@ -31,6 +32,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.cluster.ownership import OwnershipStore, OwnershipUnavailable
 from .call_failed import CallFailed
 from .decode_streams import DecodeStreams
+from .health import follow_health, router_health
 from .prefill_streams import PrefillStreams
 from .relay import Relay, RelayLinks, RelayRequest
 from .warm_pairs import keep_pairs_warm, warm_pairs
@@ -42,6 +44,13 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_STOP_TOKEN_IDS = 256
+# A token id takes at most this many bytes in a GenerateRequest: a 5-byte varint, and a tag byte when the repeated
+# field is not packed. What a message's fields may hold is bounded from these before it is parsed.
+MAX_ID_BYTES = 6
+MAX_SAMPLING_PARAMS_BYTES = (MAX_STOP_TOKEN_IDS * MAX_ID_BYTES + MAX_STOP_STRINGS * (4 * MAX_STOP_CHARS + 3)
+                             + 1024)  # (its scalars)
+MAX_UNKNOWN_FIELD_BYTES = 64 << 10  # fields of a newer GenerateRequest this router does not know
+_REQUEST_FIELDS = {f.number: f.name for f in gen_pb.GenerateRequest.DESCRIPTOR.fields}
 # Text prompts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones
 # on the tokenizer threads, without the GIL, so that a long prompt never holds up other requests.
 INLINE_TOKENIZE_CHARS = 16384
@@ -101,6 +110,9 @@ class Router:
                                       tokenizer, self.model_info, self._learn_ownership)
         self._uncounted = Metrics.create("router")  # never exported: the router's own requests (relay_uncounted)
         self.warm_task: Optional[asyncio.Task] = None  # keep_pairs_warm, from start_router
+        self.health_task: Optional[asyncio.Task] = None  # follow_health, from start_router
+        self._model_name = ""  # the workers' model, kept once one has reported (the metrics' model_name label)
+        metrics.name_model(self._model_name_label)
 
     # ---- choosing workers --------------------------------------------------------------------------------------
     async def choose(self, prompt_ids: list[int], avoid: frozenset[str] = frozenset(),
@@ -169,6 +181,16 @@ class Router:
             log.warning("prefix ownership unavailable, routing by load for 1s: %s", e)
             return {}
 
+    def _model_name_label(self) -> str:
+        """The model's name as the workers report it, kept when they are away so that the series keep their labels;
+        "" until one has reported."""
+        if not self._model_name:
+            try:
+                self._model_name = self.model_info().model_name
+            except ServiceError:
+                pass
+        return self._model_name
+
     def model_info(self) -> gen_pb.ModelInfo:
         for w in self.pool.workers.values():
             if w.info is not None:
@@ -212,6 +234,33 @@ class Router:
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, lambda: self.tokenizer.encode(text, release_gil=True))
         return self.check_ids(ids, field)
+
+    def check_request_bytes(self, raw: bytes) -> None:
+        """A GenerateRequest's fields bounded from their sizes in its bytes, before it is parsed (MessageGuard's
+        precheck): parsing millions of token ids holds the event loop every other client waits on, and protobuf
+        holds the GIL while it parses, so a thread would not free the loop. What passes holds at most the model's
+        context in ids and parses in a moment. (A text prompt parses as one copy: bounded by --max-request-bytes,
+        then by its characters in encode_text.)"""
+        sizes: dict[str, int] = {}
+        for number, size in message_fields(raw):
+            name = _REQUEST_FIELDS.get(number, "unknown")
+            sizes[name] = sizes.get(name, 0) + size  # (a field given twice is merged by the parser)
+        context = self.model_info().max_context_length
+        ids_limit = MAX_ID_BYTES * context
+        if sizes.get("tokenized", 0) > ids_limit:
+            raise invalid(f"tokenized.input_ids: {sizes['tokenized']} bytes of token ids are more than the model's "
+                          f"context of {context} tokens can hold (a prompt may have at most {context - 1} ids, "
+                          f"{ids_limit} bytes)")
+        if sizes.get("sampling_params", 0) > MAX_SAMPLING_PARAMS_BYTES:
+            raise invalid(f"sampling_params: {sizes['sampling_params']} bytes; with at most {MAX_STOP_STRINGS} stop "
+                          f"strings of {MAX_STOP_CHARS} characters and {MAX_STOP_TOKEN_IDS} stop_token_ids it fits "
+                          f"in {MAX_SAMPLING_PARAMS_BYTES}")
+        if sizes.get("request_id", 0) > 4 * MAX_REQUEST_ID_CHARS:
+            raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} printable characters (got "
+                          f"{sizes['request_id']} bytes)")
+        if sizes.get("unknown", 0) > MAX_UNKNOWN_FIELD_BYTES:
+            raise invalid(f"{sizes['unknown']} bytes of fields GenerateRequest does not have (it has "
+                          f"{', '.join(_REQUEST_FIELDS.values())})")
 
     def check_length(self, num_ids: int, field: str = "input_ids") -> None:
         """A prompt of `num_ids` tokens leaves room for at least one new token: checked before anything reads the
@@ -407,13 +456,16 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
         router.config.host, router.config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name],
         lambda s: gen_grpc.add_GenerationServicer_to_server(GenerationServicer(router), s), options=options,
         interceptors=auth, drain=Drain(tracked={"Generate"}, refused={"Generate"}),
-        credentials=security.server_credentials())
+        credentials=security.server_credentials(), prechecks={"Generate": router.check_request_bytes})
     await router.pool.start()
     if router.config.warm_pairs:  # before it serves: no client request pays for a pair's KV connection
         vocab_size = lambda: router.model_info().vocab_size  # noqa: E731
         await warm_pairs(router.pool, router.relay_uncounted, vocab_size)
         router.warm_task = asyncio.create_task(keep_pairs_warm(router.pool, router.relay_uncounted, vocab_size))
-    await start_serving(server)
+    # grpc.health.v1 says what HTTP /health says (router/health.py): NOT_SERVING while no worker pair is healthy.
+    serving = router_health(router.pool, draining=False).serving
+    await start_serving(server, serving)
+    router.health_task = asyncio.create_task(follow_health(server, router.pool, serving))
     return server, port
 
 

@@ -58,6 +58,11 @@ def test_every_queried_metric_is_exported(stack):
     assert not missing, f"queried but not exported by any pdserve process: {missing}"
 
 
+def grafana_variables(expr: str) -> str:
+    """A dashboard query as Grafana sends it: $__rate_interval a fixed window, the model_name variable on All."""
+    return expr.replace("$__rate_interval", "30s").replace("$model_name", ".*")
+
+
 # ---- a real Prometheus ------------------------------------------------------------------------------------------
 def local_config(stack, rules_path: str, self_port: int) -> dict:
     """deploy/prometheus/prometheus.yml with each job's targets replaced by this stack's metrics ports (compose DNS
@@ -148,7 +153,7 @@ def test_prometheus_scrapes_every_process_and_loads_the_alerts(stack, prometheus
     assert "PdserveWorkerDown" not in firing and "PdserveKVTransferFailures" not in firing
 
 
-def test_ttft_histogram_after_traffic(stack, prometheus):
+def test_ttft_histogram_after_traffic(stack, prometheus, tiny_v3_dir):
     prometheus.wait_for("the router scraped", lambda: prometheus.query('up{job="router"} == 1'))
     before = prometheus.query('sum(pdserve_time_to_first_token_seconds_count{job="router"})')
     sent_before = float(before[0]["value"][1]) if before else 0.0
@@ -162,9 +167,10 @@ def test_ttft_histogram_after_traffic(stack, prometheus):
 
     series = prometheus.wait_for("TTFT buckets counting the new requests", buckets)
     assert len(series) >= 10 and {s["metric"]["role"] for s in series} == {"router"}
-    # The dashboard's own p99 query (Grafana's $__rate_interval as a fixed window) gives a finite latency.
+    assert {s["metric"]["model_name"] for s in series} == {tiny_v3_dir.name}
+    # The dashboard's own p99 query (Grafana's variables as it sends them) gives a finite latency.
     p99 = next(e for w, e in promql_expressions() if "Time to first token (router)" in w and "0.99" in e)
-    p99 = p99.replace("$__rate_interval", "30s")
+    p99 = grafana_variables(p99)
     value = prometheus.wait_for("a finite TTFT p99", lambda: [r for r in prometheus.query(p99)
                                                              if math.isfinite(float(r["value"][1]))])
     assert 0 < float(value[0]["value"][1]) <= 60
@@ -173,6 +179,6 @@ def test_ttft_histogram_after_traffic(stack, prometheus):
 def test_every_dashboard_and_alert_query_evaluates(prometheus):
     for where, expr in promql_expressions():
         try:
-            prometheus.query(expr.replace("$__rate_interval", "30s"))
+            prometheus.query(grafana_variables(expr))
         except Exception as e:  # urllib raises HTTPError 400 for a query Prometheus cannot parse
             raise AssertionError(f"{where}: {expr}\n{getattr(e, 'read', lambda: b'')().decode()}") from None

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from pdserve.engine import LLMEngine
 from pdserve.common.values import KVLayout
+from pdserve.serving.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,17 @@ def kv_layout(engine: LLMEngine, ships_mtp: bool) -> KVLayout:
     layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if ships_mtp else 0)
     return KVLayout(model_fingerprint=model_fingerprint(engine), page_size=engine.pool.page_size,
                     num_kv_layers=layers, kv_dim=cfg.kv_cache_dim, dtype=str(engine.pool.kv.dtype).replace("torch.", ""))
+
+
+def start_metrics(metrics: Metrics, engine: LLMEngine, kv_transport: str, transports, error_kinds) -> None:
+    """A worker's metrics labelled with its model's name, and its transfer series at 0 for every failure kind
+    (`error_kinds`) and every transport its pairs may report: its --kv-transport, or with auto also each transport
+    of `transports` (the KV transport registry) that moves KV on its device."""
+    metrics.name_model(engine.model_config.name)
+    device = engine.pool.kv.device.type
+    labels = {kv_transport} if kv_transport != "auto" else {
+        "auto", *(n for n in transports.names() if n != "auto" and device in transports.get(n).devices)}
+    metrics.start_transfers_at_zero(error_kinds, labels)
 
 
 def model_info(engine: LLMEngine) -> dict[str, Any]:
