@@ -16,8 +16,7 @@ import grpc
 
 from pdserve.serving.auth import BearerAuthInterceptor
 from pdserve.serving.grpc_shell import (
-    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, message_fields,
-    start_serving,
+    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, start_serving,
 )
 from pdserve.serving.metrics import Metrics
 from pdserve.common.blocks import block_hashes
@@ -44,13 +43,6 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_STOP_TOKEN_IDS = 256
-# A token id takes at most this many bytes in a GenerateRequest: a 5-byte varint, and a tag byte when the repeated
-# field is not packed. What a message's fields may hold is bounded from these before it is parsed.
-MAX_ID_BYTES = 6
-MAX_SAMPLING_PARAMS_BYTES = (MAX_STOP_TOKEN_IDS * MAX_ID_BYTES + MAX_STOP_STRINGS * (4 * MAX_STOP_CHARS + 3)
-                             + 1024)  # (its scalars)
-MAX_UNKNOWN_FIELD_BYTES = 64 << 10  # fields of a newer GenerateRequest this router does not know
-_REQUEST_FIELDS = {f.number: f.name for f in gen_pb.GenerateRequest.DESCRIPTOR.fields}
 # Text prompts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones
 # on the tokenizer threads, without the GIL, so that a long prompt never holds up other requests.
 INLINE_TOKENIZE_CHARS = 16384
@@ -234,33 +226,6 @@ class Router:
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, lambda: self.tokenizer.encode(text, release_gil=True))
         return self.check_ids(ids, field)
-
-    def check_request_bytes(self, raw: bytes) -> None:
-        """A GenerateRequest's fields bounded from their sizes in its bytes, before it is parsed (MessageGuard's
-        precheck): parsing millions of token ids holds the event loop every other client waits on, and protobuf
-        holds the GIL while it parses, so a thread would not free the loop. What passes holds at most the model's
-        context in ids and parses in a moment. (A text prompt parses as one copy: bounded by --max-request-bytes,
-        then by its characters in encode_text.)"""
-        sizes: dict[str, int] = {}
-        for number, size in message_fields(raw):
-            name = _REQUEST_FIELDS.get(number, "unknown")
-            sizes[name] = sizes.get(name, 0) + size  # (a field given twice is merged by the parser)
-        context = self.model_info().max_context_length
-        ids_limit = MAX_ID_BYTES * context
-        if sizes.get("tokenized", 0) > ids_limit:
-            raise invalid(f"tokenized.input_ids: {sizes['tokenized']} bytes of token ids are more than the model's "
-                          f"context of {context} tokens can hold (a prompt may have at most {context - 1} ids, "
-                          f"{ids_limit} bytes)")
-        if sizes.get("sampling_params", 0) > MAX_SAMPLING_PARAMS_BYTES:
-            raise invalid(f"sampling_params: {sizes['sampling_params']} bytes; with at most {MAX_STOP_STRINGS} stop "
-                          f"strings of {MAX_STOP_CHARS} characters and {MAX_STOP_TOKEN_IDS} stop_token_ids it fits "
-                          f"in {MAX_SAMPLING_PARAMS_BYTES}")
-        if sizes.get("request_id", 0) > 4 * MAX_REQUEST_ID_CHARS:
-            raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} printable characters (got "
-                          f"{sizes['request_id']} bytes)")
-        if sizes.get("unknown", 0) > MAX_UNKNOWN_FIELD_BYTES:
-            raise invalid(f"{sizes['unknown']} bytes of fields GenerateRequest does not have (it has "
-                          f"{', '.join(_REQUEST_FIELDS.values())})")
 
     def check_length(self, num_ids: int, field: str = "input_ids") -> None:
         """A prompt of `num_ids` tokens leaves room for at least one new token: checked before anything reads the
@@ -456,7 +421,7 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
         router.config.host, router.config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name],
         lambda s: gen_grpc.add_GenerationServicer_to_server(GenerationServicer(router), s), options=options,
         interceptors=auth, drain=Drain(tracked={"Generate"}, refused={"Generate"}),
-        credentials=security.server_credentials(), prechecks={"Generate": router.check_request_bytes})
+        credentials=security.server_credentials())
     await router.pool.start()
     if router.config.warm_pairs:  # before it serves: no client request pays for a pair's KV connection
         vocab_size = lambda: router.model_info().vocab_size  # noqa: E731
