@@ -265,6 +265,61 @@ class ModelConfig:
                               f"multiple of the weight block ({self.fp8.block_n})")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one worker spans devices: tensor parallelism over `tp_size` ranks, one process per device.
+
+    Rank 0 owns the scheduler, the loop and sampling; ranks 1.. run the model forwards rank 0 hands them (see
+    pdserve.parallel). Under TP, attention heads, MLP and expert intermediates are split across the ranks; the latent
+    KV cache (one head) is the same on every rank."""
+
+    tp_size: int = 1
+    rank: int = 0
+    # A collective that waits longer than this fails the worker (a rank hung, not dead: a dead one fails it at once).
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp {self.tp_size}: the tensor-parallel size must be at least 1")
+        if not 0 <= self.rank < self.tp_size:
+            raise ConfigError(f"ParallelConfig.rank={self.rank} must be in [0, tp_size={self.tp_size})")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"ParallelConfig.collective_timeout_s={self.collective_timeout_s} must be positive")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """ConfigError naming the setting when the model cannot be split over tp_size ranks: every split dimension
+        must divide evenly, and under block-FP8 each rank's part must hold whole weight blocks (the scales are split
+        with their blocks)."""
+        tp = self.tp_size
+        if tp == 1:
+            return
+        splits = {"num_attention_heads": cfg.num_attention_heads}
+        if cfg.first_k_dense_replace > 0 or not cfg.n_routed_experts:
+            splits["intermediate_size"] = cfg.intermediate_size
+        if cfg.n_routed_experts:
+            splits["moe_intermediate_size"] = cfg.moe_intermediate_size
+        for key, value in splits.items():
+            if value % tp:
+                raise ConfigError(f"--tp {tp} does not divide {key}={value} of {cfg.name}: choose a --tp that does")
+        if cfg.fp8 is None:
+            return
+        heads = cfg.num_attention_heads // tp
+        # (what is split, its size per rank, the block edge it must be a multiple of)
+        per_rank = [("q_b_proj rows (heads x (qk_nope_head_dim + qk_rope_head_dim))", heads * cfg.qk_head_dim,
+                     cfg.fp8.block_n),
+                    ("kv_b_proj rows (heads x (qk_nope_head_dim + v_head_dim))",
+                     heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.fp8.block_n),
+                    ("o_proj columns (heads x v_head_dim)", heads * cfg.v_head_dim, cfg.fp8.block_k)]
+        for key in ("intermediate_size", "moe_intermediate_size"):
+            if key in splits:
+                size = splits[key] // tp
+                per_rank += [(key, size, cfg.fp8.block_n), (key, size, cfg.fp8.block_k)]
+        for what, size, block in per_rank:
+            if size % block:
+                raise ConfigError(f"--tp {tp} leaves {size} {what} per rank, not a multiple of the FP8 weight block "
+                                  f"({block}): each rank must hold whole blocks; choose a smaller --tp")
+
+
 def _read_rope(raw: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta inside); DeepSeek's own configs write `rope_scaling` + `rope_theta`.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}

@@ -4,8 +4,14 @@ Parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn.kv
 name; experts are stacked per layer (w13, w2) for grouped kernels. Every heavy operation goes through
 `KernelBackends` (pdserve.kernels) so GPU kernels can replace the torch references without touching this file.
 
-Shapes: T = tokens in the batch, H = attention heads, R = kv_lora_rank (512), P = qk_rope_head_dim (64),
-N = qk_nope_head_dim (128), V = v_head_dim (128), D = hidden_size, E = routed experts.
+Tensor parallelism (`tp`, pdserve.parallel) splits the layers, not the model: each rank holds H/tp of the attention
+heads (q_b_proj and kv_b_proj column-parallel, o_proj row-parallel + all-reduce) and I/tp of every MLP's and
+expert's intermediate (gate/up column-parallel, down row-parallel, one all-reduce per MoE); the embedding, the
+router, the latent projections (so the latent KV cache) and lm_head are replicated. At tp size 1 nothing is split.
+
+Shapes: T = tokens in the batch, H = attention heads (of this rank), R = kv_lora_rank (512), P = qk_rope_head_dim
+(64), N = qk_nope_head_dim (128), V = v_head_dim (128), D = hidden_size, E = routed experts, I = intermediate size
+(of this rank).
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from pdserve.kernels.attention import merge_state
 from pdserve.kernels.moe import RoutingConfig
 from pdserve.kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, yarn_inv_freq
 from pdserve.kv_cache import token_slots
-
-FP8 = torch.float8_e4m3fn
+from pdserve.parallel.group import SINGLE, TPGroup
+from pdserve.parallel.linear import ColumnParallelLinear, Linear, RowParallelLinear, Shard, load_shard
 
 
 class RMSNorm(nn.Module):
@@ -35,34 +41,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-class Linear(nn.Module):
-    """y = x W^T; W may be block-FP8 (weight_scale_inv per block), dequantized by the reference kernel."""
-
-    def __init__(self, in_features: int, out_features: int, cfg: ModelConfig, kernels: KernelBackends):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.kernels = kernels
-        # The loader turns quantization off for linears a checkpoint stores unquantized.
-        self.block = (cfg.fp8.block_n, cfg.fp8.block_k) if cfg.fp8 else None
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        if self.block:
-            bn, bk = self.block
-            scale = torch.ones(-(-out_features // bn), -(-in_features // bk))
-            self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
-        else:
-            self.weight_scale_inv = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.gemm.linear(x, self.weight, self.weight_scale_inv, self.block)
-
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        from pdserve.kernels.gemm import block_dequant
-
-        if self.weight.dtype == FP8:
-            return block_dequant(self.weight, self.weight_scale_inv, self.block, dtype)
-        return self.weight.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -98,23 +76,24 @@ class MLA(nn.Module):
     over the latent directly with one KV head. Both paths compute the same function (tests check each other).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.cfg, self.layer_idx, self.kernels = cfg, layer_idx, kernels
         self.prefix_chunk_tokens = prefix_chunk_tokens
         h, n, p, v, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                          cfg.kv_lora_rank)
-        self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.rank = h, n, p, v, r
+        self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.rank = h // tp.size, n, p, v, r
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, h * (n + p), cfg, kernels)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, h * (n + p), cfg, kernels, tp)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, cfg, kernels)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * (n + p), cfg, kernels)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, r + p, cfg, kernels)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, h * (n + p), cfg, kernels, tp)  # this rank's heads
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, r + p, cfg, kernels)  # the latent: the same on every rank
         self.kv_a_layernorm = RMSNorm(r, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(r, h * (n + v), cfg, kernels)
-        self.o_proj = Linear(h * v, cfg.hidden_size, cfg, kernels)
+        self.kv_b_proj = ColumnParallelLinear(r, h * (n + v), cfg, kernels, tp)
+        self.o_proj = RowParallelLinear(h * v, cfg.hidden_size, cfg, kernels, tp)  # + all-reduce over the heads
         self.softmax_scale = cfg.softmax_scale
         # Absorbed weights, derived from kv_b_proj after loading (see absorb_weights).
         self.w_uk: Optional[torch.Tensor] = None  # (H, N, R)
@@ -191,13 +170,15 @@ class MLA(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: dense layers and shared experts."""
+    """SwiGLU feed-forward: dense layers and shared experts. reduce=False: the output is this rank's partial sum
+    (the MoE adds it to its experts' before one all-reduce)."""
 
-    def __init__(self, cfg: ModelConfig, intermediate: int, kernels: KernelBackends):
+    def __init__(self, cfg: ModelConfig, intermediate: int, kernels: KernelBackends, tp: TPGroup = SINGLE,
+                 reduce: bool = True):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, intermediate, cfg, kernels)
-        self.up_proj = Linear(cfg.hidden_size, intermediate, cfg, kernels)
-        self.down_proj = Linear(intermediate, cfg.hidden_size, cfg, kernels)
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, intermediate, cfg, kernels, tp)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, intermediate, cfg, kernels, tp)
+        self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, cfg, kernels, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -224,12 +205,14 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """DeepSeekMoE: top-k of E routed experts (stacked weights) plus always-on shared experts."""
+    """DeepSeekMoE: top-k of E routed experts (stacked weights) plus always-on shared experts. Under TP every rank
+    routes every token (the gate is replicated) through its I/tp slice of each expert; one all-reduce sums the
+    ranks' partial outputs, shared experts included."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelBackends):
+    def __init__(self, cfg: ModelConfig, kernels: KernelBackends, tp: TPGroup = SINGLE):
         super().__init__()
-        self.kernels = kernels
-        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.kernels, self.tp = kernels, tp
+        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size // tp.size, cfg.hidden_size
         self.gate = Gate(cfg, kernels)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)  # [gate_proj; up_proj] per expert
         self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)  # down_proj per expert
@@ -240,25 +223,41 @@ class MoE(nn.Module):
             self.w2_scale_inv = nn.Parameter(torch.ones(e, -(-d // bn), -(-i // bk)), requires_grad=False)
         else:
             self.w13_scale_inv = self.w2_scale_inv = None
-        self.shared_experts = (MLP(cfg, i * cfg.n_shared_experts, kernels) if cfg.n_shared_experts else None)
+        self.shared_experts = (MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, kernels, tp, reduce=False)
+                               if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # (T, k), (T, k)
         y = self.kernels.moe.experts(x, weights, ids, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
-                                     self.block)  # (T, D)
+                                     self.block)  # (T, D); under TP this rank's partial sum
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y
+        return self.tp.all_reduce(y) if self.tp.size > 1 else y
+
+    def shard(self, name: str, dest: torch.Tensor) -> Optional[Shard]:
+        """w13 (and its scales) split along the intermediate rows of gate and of up; w2 along its columns. `dest`
+        is one expert's gate or up rows, or all of w13 or of one expert's (gate and up, stacked)."""
+        if self.tp.size == 1:
+            return None
+        if name.startswith("w2"):
+            return Shard(-1, self.tp.rank, self.tp.size)
+        both = dest.shape[-2] == getattr(self, name).shape[-2]
+        return Shard(-2, self.tp.rank, self.tp.size, stacked=2 if both else 1)
+
+    def weight_loader(self, name: str, dest: torch.Tensor, loaded) -> None:
+        load_shard(dest, loaded, self.shard(name, dest))
 
 
 class Block(nn.Module):
     """Pre-norm decoder layer: x + MLA(norm(x)), then + FFN(norm(.)); FFN dense for the first k layers."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = MLA(cfg, layer_idx, kernels, prefix_chunk_tokens)
-        self.mlp = MoE(cfg, kernels) if cfg.is_moe_layer(layer_idx) else MLP(cfg, cfg.intermediate_size, kernels)
+        self.self_attn = MLA(cfg, layer_idx, kernels, prefix_chunk_tokens, tp)
+        self.mlp = (MoE(cfg, kernels, tp) if cfg.is_moe_layer(layer_idx)
+                    else MLP(cfg, cfg.intermediate_size, kernels, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -275,12 +274,13 @@ class MTP(nn.Module):
     the main model; the block has its own attention and so its own KV cache layer.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, cfg, kernels)
-        self.block = Block(cfg, layer_idx, kernels, prefix_chunk_tokens)
+        self.block = Block(cfg, layer_idx, kernels, prefix_chunk_tokens, tp)
         self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor, cos_sin, batch: ForwardBatch,
@@ -291,23 +291,27 @@ class MTP(nn.Module):
 
 class DeepseekV3(nn.Module):
     """The whole model. forward() returns the last hidden states before the final norm (the MTP input);
-    logits() applies the final norm and lm_head to the rows that need them."""
+    logits() applies the final norm and lm_head to the rows that need them.
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelBackends, prefix_chunk_tokens: int = 4096):
+    tp: this process's tensor-parallel rank (pdserve.parallel); embed_tokens and lm_head are replicated, so every
+    rank's forward ends in the same hidden states and rank 0 alone computes logits."""
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelBackends, prefix_chunk_tokens: int = 4096,
+                 tp: TPGroup = SINGLE):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         self.kernels = kernels  # the CUDA-graph runner asks its attention backend for per-graph plans
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(
-            [Block(cfg, i, kernels, prefix_chunk_tokens) for i in range(cfg.num_hidden_layers)])
+            [Block(cfg, i, kernels, prefix_chunk_tokens, tp) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.embed_tokens.weight.requires_grad_(False)
         # Its KV layer index follows the main layers: cache layer num_hidden_layers + j.
         self.mtp = nn.ModuleList(
-            [MTP(cfg, cfg.num_hidden_layers + j, kernels, prefix_chunk_tokens)
+            [MTP(cfg, cfg.num_hidden_layers + j, kernels, prefix_chunk_tokens, tp)
              for j in range(cfg.num_nextn_predict_layers)])
         self.has_mtp_weights = bool(cfg.num_nextn_predict_layers)  # the loader clears it when absent
 

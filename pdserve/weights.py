@@ -4,6 +4,10 @@ kept in FP8 with their scales, or `dummy` random weights of the configured shape
 Checkpoint names are mapped onto pdserve's modules (hf_to_internal); per-expert tensors are stacked into the
 layer's w13/w2. Every parameter must be filled exactly once: missing tensors, unexpected tensors and shape
 mismatches are errors that name the tensor, raised before the model is used.
+
+Under tensor parallelism each rank loads its own shards: a module that splits a parameter says which part of the
+checkpoint tensor it holds (its `weight_loader`), and the tensor is opened lazily (safetensors' get_slice), so a
+rank reads its slices and nothing of the other ranks' parts.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pdserve.kernels import KernelBackends
 from pdserve.common.progress import say
 from pdserve.kernels.gemm import FP8_DTYPE, block_quant
 from pdserve.model import DeepseekV3, Gate, Linear, MoE, RotaryEmbedding
+from pdserve.parallel.group import SINGLE, TPGroup
+from pdserve.parallel.linear import ShardError, load_shard
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +94,7 @@ def checkpoint_names(model: DeepseekV3, fused_experts: bool = False) -> dict[str
                 Target(param)
             continue
         kind = "weight_scale_inv" if is_scale else "weight"
-        rows = cfg.moe_intermediate_size // (cfg.fp8.block_n if is_scale else 1)
+        rows = model.get_parameter(param).shape[-2] // 2  # this rank's rows of gate (and of up) in w13[e]
         for x in range(cfg.n_routed_experts):
             if e.group(1) == "w2":
                 names[f"{prefix}mlp.experts.{x}.down_proj.{kind}"] = Target(param, x)
@@ -143,12 +149,28 @@ def _checkpoint_file(path: str):
                            "Fetch the file again") from None
 
 
-def _iter_tensors(files: list[str], progress: Callable[[str], None]) -> Iterator[tuple[str, torch.Tensor]]:
+class LazyTensor:
+    """A checkpoint tensor not read yet: `.shape`, and `[index]` reads that part only (`[...]`: all of it)."""
+
+    def __init__(self, f, key: str):
+        self._f, self._key = f, key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._f.get_slice(self._key).get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if index is Ellipsis:
+            return self._f.get_tensor(self._key)
+        return self._f.get_slice(self._key)[index]
+
+
+def _iter_tensors(files: list[str], progress: Callable[[str], None]) -> Iterator[tuple[str, LazyTensor]]:
     start = time.monotonic()
     for i, path in enumerate(files):
         with _checkpoint_file(path) as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, LazyTensor(f, key)
         progress(f"loaded shard {i + 1}/{len(files)} ({os.path.basename(path)}) in {time.monotonic() - start:.1f}s")
 
 
@@ -167,14 +189,16 @@ class _NoRandomInit(torch.overrides.TorchFunctionMode):
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, device: str = "cpu",
-                prefix_chunk_tokens: int = 4096, fp8_linears: Optional[set[str]] = None) -> DeepseekV3:
-    """Allocate an uninitialised model: each parameter gets the dtype it will hold (fp8, fp32 scales, ...).
+                prefix_chunk_tokens: int = 4096, fp8_linears: Optional[set[str]] = None,
+                tp: TPGroup = SINGLE) -> DeepseekV3:
+    """Allocate an uninitialised model (tp: this rank's shards): each parameter gets the dtype it will hold (fp8,
+    fp32 scales, ...).
 
     fp8_linears names (by checkpoint name, e.g. model.layers.0.self_attn.q_a_proj) the Linear modules stored in
     FP8; by default every quantizable one is, when cfg.fp8 is set.
     """
     with torch.device("meta"), _NoRandomInit():
-        model = DeepseekV3(cfg, kernels, prefix_chunk_tokens)
+        model = DeepseekV3(cfg, kernels, prefix_chunk_tokens, tp)
     hf_name = {t.param: name for name, t in checkpoint_names(model).items() if t.expert is None}
     for mod_name, module in model.named_modules():
         if isinstance(module, Linear) and module.block is not None and fp8_linears is not None \
@@ -203,12 +227,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, d
 
 def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends,
                load_format: str = "auto", device: str = "cpu", prefix_chunk_tokens: int = 4096,
-               progress: Optional[Callable[[str], None]] = None, seed: int = 0) -> DeepseekV3:
+               progress: Optional[Callable[[str], None]] = None, seed: int = 0, tp: TPGroup = SINGLE) -> DeepseekV3:
+    """The model with its weights; under tensor parallelism (tp) this rank's shards of them (dummy weights: the
+    shards of the same random weights a single process draws)."""
     progress = progress or say
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
-        model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens)
+        model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, tp=tp)
         init_dummy_weights(model, seed)
         model.post_load()
         return model
@@ -218,7 +244,7 @@ def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, k
     fp8_linears = None
     if cfg.fp8:  # linears the checkpoint stores with block scales stay FP8; the others load unquantized
         fp8_linears = {k[: -len(".weight_scale_inv")] for k in keys if k.endswith(".weight_scale_inv")}
-    model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, fp8_linears)
+    model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, fp8_linears, tp)
     _load_tensors(model, cfg, _iter_tensors(files, progress), keys)
     model.post_load()
     return model
@@ -232,7 +258,16 @@ def _checkpoint_keys(files: list[str]) -> set[str]:
     return keys
 
 
-def _load_tensors(model: DeepseekV3, cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]],
+def _weight_loader(model: DeepseekV3, param: str) -> tuple[str, Callable]:
+    """(the parameter's own name, the loader of the module owning it): its weight_loader when it splits its
+    parameters over tensor-parallel ranks, else a copy of the whole tensor."""
+    module_name, _, name = param.rpartition(".")
+    module = model.get_submodule(module_name)
+    loader = getattr(module, "weight_loader", None)
+    return name, loader or (lambda _name, dest, loaded: load_shard(dest, loaded, None))
+
+
+def _load_tensors(model: DeepseekV3, cfg: ModelConfig, tensors: Iterator[tuple[str, LazyTensor | torch.Tensor]],
                   keys: set[str]) -> None:
     expected = checkpoint_names(model, fused_experts=any(k.endswith("mlp.experts.gate_up_proj") for k in keys))
     seen: set[str] = set()
@@ -249,13 +284,11 @@ def _load_tensors(model: DeepseekV3, cfg: ModelConfig, tensors: Iterator[tuple[s
             continue
         if name in seen:
             raise WeightsError(f"tensor {name} appears twice in the checkpoint")
-        dest = tensor_view(model, target)
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise WeightsError(f"tensor {name} has shape {tuple(tensor.shape)} but the config implies "
-                               f"{tuple(dest.shape)}; check config.json against the checkpoint")
-        if tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:
-            raise WeightsError(f"tensor {name} is FP8 but config.json has no fp8 quantization_config")
-        dest.copy_(tensor if dest.dtype == FP8_DTYPE else tensor.to(dest.dtype))
+        param_name, loader = _weight_loader(model, target.param)
+        try:
+            loader(param_name, tensor_view(model, target), tensor)  # reads this rank's part of the tensor only
+        except ShardError as e:
+            raise WeightsError(f"tensor {name} {e}") from None
         seen.add(name)
     if unexpected:
         raise WeightsError(f"{len(unexpected)} checkpoint tensors match no module of this config: "
@@ -287,6 +320,8 @@ def init_dummy_weights(model: DeepseekV3, seed: int = 0, std: float = 0.02) -> N
     """
     gens: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
+        shard = getattr(module, "shard", lambda _name, _dest: None)
+        load = getattr(module, "weight_loader", lambda _name, dest, loaded: load_shard(dest, loaded, None))
         for pname, p in module.named_parameters(recurse=False):
             if pname.endswith("scale_inv"):
                 continue
@@ -298,13 +333,17 @@ def init_dummy_weights(model: DeepseekV3, seed: int = 0, std: float = 0.02) -> N
             slices = [(slice(None),)] if p.dim() == 2 else [(i,) for i in range(p.shape[0])]
             for idx in slices:
                 dest = p.data[idx]
-                values = torch.randn(dest.shape, generator=gen, device=p.device) * std
+                # A tensor-parallel rank draws the whole tensor and keeps its shard: every rank's weights are then
+                # the shards of a single process's.
+                part = shard(pname, dest)
+                full = tuple(dest.shape) if part is None else part.full_shape(tuple(dest.shape))
+                values = torch.randn(full, generator=gen, device=p.device) * std
                 if p.dtype == FP8_DTYPE:
                     q, scale = block_quant(values, module.block)
-                    dest.copy_(q)
-                    getattr(module, scale_name).data[idx].copy_(scale)
+                    load(pname, dest, q)
+                    load(scale_name, getattr(module, scale_name).data[idx], scale)
                 else:
-                    dest.copy_(values.to(p.dtype))
+                    load(pname, dest, values.to(p.dtype))
         for bname, b in module.named_buffers(recurse=False):
             if bname == "e_score_correction_bias":
                 b.data.zero_()

@@ -1,0 +1,107 @@
+"""What rank 0 hands the other ranks of a tensor-parallel worker, once per model call: a small header through
+each rank's pipe (which call, and the batch's host-side shape) and the batch's tensors through one broadcast.
+
+Only inputs travel, never a decision a rank could take differently: token ids (after any device-side patch:
+overlap scheduling's and speculation's tokens exist on rank 0's device only), positions, KV slots, page tables,
+and the MTP layer's previous hidden states. Every rank then runs the same forward, collectives included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pdserve.forward_batch import ForwardBatch, ForwardMode
+from pdserve.parallel.group import TPGroup
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """An eager model call: `model(batch)` or, with mtp, `model.mtp_forward(batch, prev_hidden, depth=depth)`.
+    The batch's tensors follow as one int64 broadcast (ids, positions, slots, then for DECODE seq_lens and the page
+    table, `width` pages wide), then prev_hidden (num_tokens, D) for mtp."""
+
+    mtp: bool
+    mode: ForwardMode
+    num_tokens: int
+    width: int = 0  # DECODE: page-table columns
+    qo_indptr: Optional[tuple[int, ...]] = None  # EXTEND
+    prefix_lens: Optional[tuple[int, ...]] = None
+    page_tables: Optional[tuple[tuple[int, ...], ...]] = None
+    hidden_dtype: Optional[torch.dtype] = None  # mtp: prev_hidden's
+    depth: int = 0
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None, depth: int = 0) -> "ForwardCall":
+        if batch.mode is ForwardMode.EXTEND:
+            return cls(prev_hidden is not None, batch.mode, batch.num_tokens, 0, tuple(batch.qo_indptr),
+                       tuple(batch.prefix_lens), tuple(map(tuple, batch.page_tables)),
+                       None if prev_hidden is None else prev_hidden.dtype, depth)
+        return cls(prev_hidden is not None, batch.mode, batch.num_tokens, batch.page_table.shape[1],
+                   hidden_dtype=None if prev_hidden is None else prev_hidden.dtype, depth=depth)
+
+
+@dataclass(frozen=True)
+class ReplayCall:
+    """A captured CUDA graph replay: the graph of bucket `rows` of the target (or, with mtp, the MTP layer's) runner,
+    its draft chain with chain. Its static inputs follow as one int64 broadcast (header (4, rows), then the page
+    table's first `width` columns), then, for mtp graphs, prev_hidden (rows, D)."""
+
+    mtp: bool
+    chain: bool
+    rows: int
+    width: int
+
+
+def send_batch(tp: TPGroup, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor]) -> None:
+    """Rank 0: the tensors of a ForwardCall's batch."""
+    parts = [batch.input_ids, batch.positions, batch.out_slots]
+    if batch.mode is ForwardMode.DECODE:
+        parts += [batch.seq_lens, batch.page_table.reshape(-1)]
+    tp.broadcast(torch.cat(parts))
+    if prev_hidden is not None:
+        tp.broadcast(prev_hidden.contiguous())
+
+
+def receive_batch(tp: TPGroup, call: ForwardCall, device: torch.device, page_size: int, hidden_size: int
+                  ) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
+    """Ranks 1..: the batch (and prev_hidden) rank 0 sent for `call`."""
+    n = call.num_tokens
+    decode = call.mode is ForwardMode.DECODE
+    buf = tp.broadcast(torch.empty(n * (4 + call.width) if decode else 3 * n, dtype=torch.long, device=device))
+    prev = None
+    if call.mtp:
+        prev = tp.broadcast(torch.empty(n, hidden_size, dtype=call.hidden_dtype, device=device))
+    if decode:
+        batch = ForwardBatch(ForwardMode.DECODE, buf[:n], buf[n:2 * n], buf[2 * n:3 * n], page_size,
+                             page_table=buf[4 * n:].view(n, call.width), seq_lens=buf[3 * n:4 * n])
+    else:
+        batch = ForwardBatch(ForwardMode.EXTEND, buf[:n], buf[n:2 * n], buf[2 * n:], page_size,
+                             qo_indptr=list(call.qo_indptr), prefix_lens=list(call.prefix_lens),
+                             page_tables=[list(p) for p in call.page_tables])
+    return batch, prev
+
+
+def send_graph_inputs(tp: TPGroup, graph, width: int) -> None:
+    """Rank 0: a graph's static inputs, as filled (and patched) for its replay (pdserve.cuda_graph._Graph)."""
+    tp.broadcast(torch.cat([graph.header.reshape(-1), graph.page_table[:, :width].reshape(-1)]))
+    if graph.prev_hidden is not None:
+        tp.broadcast(graph.prev_hidden)
+
+
+def receive_graph_inputs(tp: TPGroup, call: ReplayCall, graph) -> None:
+    """Ranks 1..: rank 0's inputs into this rank's graph of the same bucket, as _Graph.fill_packed leaves them."""
+    rows, width = call.rows, call.width
+    buf = tp.broadcast(torch.empty(rows * (4 + width), dtype=torch.long, device=graph.header.device))
+    graph.header.copy_(buf[:4 * rows].view(4, rows))
+    graph.page_table[:, :width].copy_(buf[4 * rows:].view(rows, width))
+    if graph.table_width > width:  # never leave another request's pages behind a row
+        graph.page_table[:, width:graph.table_width].fill_(graph.scratch_page)
+    graph.table_width = width
+    if graph.prev_hidden is not None:
+        tp.broadcast(graph.prev_hidden)
+
+
+__all__ = ["ForwardCall", "ReplayCall", "send_batch", "receive_batch", "send_graph_inputs", "receive_graph_inputs"]
