@@ -1,6 +1,7 @@
-"""OpenAI-compatible HTTP front door of the router: `GET /v1/models[/{id}]`, `POST /v1/completions`,
-`POST /v1/chat/completions`, with SSE streaming, `usage`, `n`, `logprobs` (chat: `logprobs` + `top_logprobs`) and
-`echo`; `GET /health` and `GET /metrics` (the router's Prometheus metrics) as vLLM and SGLang serve them.
+"""OpenAI-compatible HTTP front door of the router: `GET /v1/models[/{id}]`, `POST /v1/completions` (one prompt, or
+a batch of them as a list of strings or of token-id lists), `POST /v1/chat/completions`, with SSE streaming, `usage`,
+`n`, `logprobs` (chat: `logprobs` + `top_logprobs`) and `echo`; `GET /health` and `GET /metrics` (the router's
+Prometheus metrics) as vLLM and SGLang serve them.
 
 It runs on the router's asyncio loop, in the router's process (aiohttp), and every request goes through
 `Router.generate`, the same path as gRPC's Generate, so both fronts route, check, count and cancel alike. It shares
@@ -39,7 +40,8 @@ from pdserve.serving.grpc_shell import Drain, ServiceError
 from pdserve.common.values import MAX_LOGPROBS, SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 
-from .openai_shapes import Reply, TokenText
+from .health import router_health
+from .openai_shapes import Prompt, Reply, TokenText
 from .server import MAX_STOP_TOKEN_IDS, Router
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,8 @@ ROUTER_FIELDS = {"prompt": "prompt", "messages": "messages", "sampling_params.ma
 # Request fields pdserve cannot honour, with the values that mean "not used": anything else is a 400, not ignored.
 UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "frequency_penalty": (None, 0),
                "presence_penalty": (None, 0), "response_format": (None, {"type": "text"})}
-MAX_N = 16  # choices per request (each is a generation of its own)
+MAX_N = 16  # choices per prompt (each is a generation of its own)
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (its batch of strings or token-id lists)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Work that grows with the request runs on a thread beyond these sizes, so one large request does not hold the
 # event loop every other client waits on.
@@ -89,7 +92,7 @@ def bad(message: str, param: Optional[str] = None) -> OpenAIError:
 
 
 def from_service_error(e: ServiceError) -> OpenAIError:
-    field = re.match(r"([\w.]+):", str(e))
+    field = re.match(r"([\w.]+)(?:\[\d+\])?:", str(e))  # "prompt[3]:" names prompt 3 of a batch
     param = ROUTER_FIELDS.get(field.group(1)) if field else None
     return OpenAIError(HTTP_STATUS.get(e.code, 500), str(e), param, e.code.name.lower())
 
@@ -253,6 +256,43 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def completion_prompts(prompt: Any, router: Router) -> tuple[list, bool]:
+    """The prompts of a /v1/completions request, each a string or a list of token ids, and whether they came as a
+    batch (a list of strings or of token-id lists, as OpenAI and vLLM take them). Every length is checked before
+    the list it measures is read."""
+    def length(num_ids: int, field: str) -> None:
+        try:
+            router.check_length(num_ids, field)
+        except ServiceError as e:
+            raise from_service_error(e) from None
+
+    shape = "prompt must be a string, a list of token ids, or a list of either (one prompt each)"
+    if isinstance(prompt, str):
+        return [prompt], False
+    if not isinstance(prompt, list):
+        raise bad(shape, "prompt")
+    if not prompt or not isinstance(prompt[0], (str, list)):  # one prompt of token ids
+        length(len(prompt), "prompt")
+        if not _is_ids(prompt):
+            raise bad(shape, "prompt")
+        return [prompt], False
+    if len(prompt) > MAX_PROMPTS:
+        raise bad(f"prompt: at most {MAX_PROMPTS} prompts per request (got {len(prompt)})", "prompt")
+    kind = type(prompt[0])
+    for i, p in enumerate(prompt):
+        if type(p) is not kind:
+            raise bad(f"prompt[{i}]: a batch is all strings or all token-id lists, not both", "prompt")
+        if kind is list:
+            length(len(p), f"prompt[{i}]")
+            if not _is_ids(p):
+                raise bad(f"prompt[{i}] must be a list of token ids", "prompt")
+    return prompt, True
+
+
 async def prompt_ids(router: Router, prompt, field: str) -> list[int]:
     """Router.encode_text (a string) / check_ids (token ids), their INVALID_ARGUMENT as a 400 (counted as a rejected
     request)."""
@@ -345,15 +385,12 @@ class OpenAIFrontend:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when this router can serve (not draining, a healthy prefill and decode worker), else 503 saying why:
-        what load balancers and vLLM/SGLang-style health checks expect."""
-        pool = self.router.pool
-        workers = {role: len(pool.of_role(role)) for role in ("prefill", "decode")}
-        if self.drain.draining:
-            raise OpenAIError(503, "this router is draining (shutting down)", code="unavailable")
-        if not all(workers.values()):
-            raise OpenAIError(503, f"no healthy workers: {workers['prefill']} prefill, {workers['decode']} decode",
-                              code="unavailable")
-        return web.json_response({"status": "ok", "workers": workers})
+        what load balancers and vLLM/SGLang-style health checks expect. The gRPC health check answers from the same
+        rule (router/health.py)."""
+        health = router_health(self.router.pool, self.drain.draining)
+        if not health.serving:
+            raise OpenAIError(503, health.reason, code="unavailable")
+        return web.json_response({"status": "ok", "workers": health.workers})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """The router's Prometheus metrics, as on --metrics-port."""
@@ -391,26 +428,27 @@ class OpenAIFrontend:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list):  # its length before any pass over it
-            try:
-                self.router.check_length(len(prompt), "prompt")
-            except ServiceError as e:
-                raise from_service_error(e) from None
-        if isinstance(prompt, str):
-            ids = await prompt_ids(self.router, prompt, "prompt")
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = await prompt_ids(self.router, prompt, "prompt")
-        else:
-            raise bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        n = num_choices(body)
+        given, batch = completion_prompts(body.get("prompt"), self.router)
+        if len(given) * n > self.router.config.max_concurrent_requests:
+            raise bad(f"prompt: {len(given)} prompts x n={n} are {len(given) * n} generations; this router runs at "
+                      f"most {self.router.config.max_concurrent_requests} requests at once "
+                      "(--max-concurrent-requests): send fewer per request", "prompt")
         params = sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        # echo: the prompt as sent (text), or the text of its ids
-        echo = (prompt if isinstance(prompt, str) else self.router.tokenizer.decode(ids) if self.router.tokenizer
-                else "") if body.get("echo") else None
-        return await self._respond(request, "text_completion", "cmpl", ids, params, stream_options(body),
-                                   num_choices(body), echo)
+        echo = bool(body.get("echo"))
+        prompts = []
+        for i, prompt in enumerate(given):
+            field = f"prompt[{i}]" if batch else "prompt"
+            ids = await prompt_ids(self.router, prompt, field)
+            try:  # every prompt before any generation starts: a stream's status is known before its headers go out
+                self.router.check_params(params, len(ids))
+            except ServiceError as e:
+                raise from_service_error(e if not batch else ServiceError(e.code, f"{e} ({field})")) from None
+            # echo: the prompt as sent (text), or the text of its ids
+            text = (prompt if isinstance(prompt, str) else self.router.tokenizer.decode(ids) if self.router.tokenizer
+                    else "") if echo else None
+            prompts.append(Prompt(ids, text))
+        return await self._respond(request, "text_completion", "cmpl", prompts, params, stream_options(body), n)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -428,30 +466,33 @@ class OpenAIFrontend:
         # OpenAI's default: as many tokens as the context (and this router's --max-new-tokens-limit) allows.
         room = max(1, self.router.model_info().max_context_length - len(ids))
         params = sampling_params(body, min(room, self.router.config.max_new_tokens_limit or room), chat=True)
-        return await self._respond(request, "chat.completion", "chatcmpl", ids, params, stream_options(body),
-                                   num_choices(body))
+        return await self._respond(request, "chat.completion", "chatcmpl", [Prompt(ids)], params,
+                                   stream_options(body), num_choices(body))
 
-    async def _respond(self, request, kind: str, id_prefix: str, ids: list[int], params: SamplingParams,
-                       opts: StreamOptions, n: int = 1, echo: Optional[str] = None) -> web.StreamResponse:
-        """echo: the prompt's text, which starts each choice's text (completions' echo)."""
+    async def _respond(self, request, kind: str, id_prefix: str, prompts: list[Prompt], params: SamplingParams,
+                       opts: StreamOptions, n: int = 1) -> web.StreamResponse:
+        """n choices for each prompt: choice i*n + j is prompt i's j-th (its index in the response)."""
         rid = uuid.uuid4().hex
         reply = Reply(kind, f"{id_prefix}-{rid}", self._model_name(), opts.return_token_ids,
-                      TokenText(self.router.tokenizer), echo_ids=ids if echo is not None else None, echo_text=echo)
-        # n choices are n generations; with a seed, choice i uses seed + i: distinct and reproducible.
-        choices = [params if params.seed is None or i == 0 else
-                   dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(n)]
+                      TokenText(self.router.tokenizer), prompts, n)
+        # Each choice is a generation of its own; with a seed, a prompt's choice j uses seed + j: distinct and
+        # reproducible, and the same for a prompt whether it came alone or in a batch.
+        samples = [params if params.seed is None or j == 0 else
+                   dataclasses.replace(params, seed=(params.seed + j) % 2**64) for j in range(n)]
+        total = len(prompts) * n
+        generations = [self.router.generate(p.ids, samples[j], rid if total == 1 else f"{rid}-{i * n + j}")
+                       for i, p in enumerate(prompts) for j in range(n)]
         # Closing the merge (whatever ends this handler: the client gone, an error) closes every generation, which
         # drops its request on both workers and frees its pages.
-        async with contextlib.aclosing(merged([self.router.generate(ids, p, rid if n == 1 else f"{rid}-{i}")
-                                               for i, p in enumerate(choices)])) as stream:
+        async with contextlib.aclosing(merged(generations)) as stream:
             if not opts.stream:
                 done: dict[int, gen_pb.GenerateComplete] = {}
                 async for i, msg in stream:
                     if msg.HasField("complete"):
                         done[i] = msg.complete
-                if len(done) != n:
+                if len(done) != total:
                     raise ServiceError(grpc.StatusCode.INTERNAL, "the generation ended without completing")
-                return web.json_response(reply.whole([done[i] for i in range(n)]))
+                return web.json_response(reply.whole([done[i] for i in range(total)]))
             # The first message is awaited before the headers go out, so failing to start (no workers, no KV
             # room) still gets its own HTTP status instead of an error inside a 200 stream.
             first = await anext(stream)
@@ -467,7 +508,7 @@ class OpenAIFrontend:
                     i, msg = item
                     if msg.HasField("chunk"):
                         c = msg.chunk
-                        if c.prompt_logprobs or (echo is not None and i not in reply.echoed):
+                        if c.prompt_logprobs or (reply.prompt_of(i).echo_text is not None and i not in reply.echoed):
                             await send(resp, reply.echo_chunk(i, list(c.prompt_logprobs)))
                         if c.text or c.logprobs or opts.return_token_ids:
                             await send(resp, reply.chunk(i, text=c.text, token_ids=list(c.token_ids),

@@ -1,6 +1,9 @@
 """The OpenAI API's response objects, built from the router's messages: completions and chat, whole or as stream
 chunks, with `usage` and `logprobs` in OpenAI's two shapes (completions: parallel lists `tokens` / `token_logprobs` /
-`top_logprobs` / `text_offset`; chat: `logprobs.content`, one object per token)."""
+`top_logprobs` / `text_offset`; chat: `logprobs.content`, one object per token).
+
+A completions request may carry several prompts, each answered by n choices: choice `index` i*n + j is prompt i's
+j-th sample (as vLLM numbers them), and `usage` adds up every prompt and every choice."""
 
 from __future__ import annotations
 
@@ -25,6 +28,14 @@ class TokenText:
         return self.tokenizer.decode([token_id], skip_special_tokens=offsets)
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its ids and, for completions' echo, the text that starts each of its choices."""
+
+    ids: list[int]
+    echo_text: Optional[str] = None  # None: no echo
+
+
 @dataclass
 class Reply:
     """Builds the response objects of one request in OpenAI's shapes (completion or chat, whole or chunks)."""
@@ -34,8 +45,8 @@ class Reply:
     model: str
     with_token_ids: bool
     token_text: TokenText
-    echo_ids: Optional[list[int]] = None  # completions with echo: the prompt, whose text starts each choice
-    echo_text: Optional[str] = None
+    prompts: list[Prompt]  # choice index k answers prompts[k // n]
+    n: int = 1  # choices per prompt
     created: int = field(default_factory=lambda: int(time.time()))
     echoed: set = field(default_factory=set)  # choices whose echo chunk went out (streaming)
     offsets: dict = field(default_factory=dict)  # choice -> text offset of its next token (completions logprobs)
@@ -48,8 +59,8 @@ class Reply:
         kind = "chat.completion.chunk" if chunk and self.chat else self.kind
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def _prompt_text(self) -> str:
-        return self.echo_text or ""
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.n]
 
     def whole(self, completes: list[gen_pb.GenerateComplete]) -> dict:
         choices = []
@@ -60,25 +71,27 @@ class Reply:
                 if c.logprobs:
                     choice["logprobs"] = {"content": self._chat_logprobs(c.logprobs)}
             else:
+                prompt = self.prompt_of(i)
                 choice["text"] = c.text
                 entries = list(c.logprobs)
-                if self.echo_ids is not None:
-                    choice["text"] = self._prompt_text() + c.text
+                if prompt.echo_text is not None:
+                    choice["text"] = prompt.echo_text + c.text
                     if c.logprobs or c.prompt_logprobs:
-                        entries = self._prompt_entries(list(c.prompt_logprobs)) + entries
-                if c.logprobs or (self.echo_ids is not None and c.prompt_logprobs):
+                        entries = self._prompt_entries(prompt, list(c.prompt_logprobs)) + entries
+                if c.logprobs or (prompt.echo_text is not None and c.prompt_logprobs):
                     choice["logprobs"] = self._completion_logprobs(i, entries)
             if self.with_token_ids:
                 choice["token_ids"] = list(c.output_ids)
             choices.append(choice)
-        return {**self._envelope(choices, chunk=False), "usage": usage([c.usage for c in completes])}
+        return {**self._envelope(choices, chunk=False), "usage": usage([c.usage for c in completes], self.n)}
 
     def echo_chunk(self, index: int, prompt_logprobs: list) -> dict:
         """Streaming with echo: the prompt's text (and logprobs) before the choice's first tokens."""
         self.echoed.add(index)
-        choice = {"index": index, "text": self._prompt_text(), "logprobs": None, "finish_reason": None}
+        prompt = self.prompt_of(index)
+        choice = {"index": index, "text": prompt.echo_text or "", "logprobs": None, "finish_reason": None}
         if prompt_logprobs:
-            choice["logprobs"] = self._completion_logprobs(index, self._prompt_entries(prompt_logprobs))
+            choice["logprobs"] = self._completion_logprobs(index, self._prompt_entries(prompt, prompt_logprobs))
         return self._envelope([choice], chunk=True)
 
     def chunk(self, index: int, text: str = "", token_ids: Optional[list[int]] = None, finish: Optional[int] = None,
@@ -98,12 +111,14 @@ class Reply:
         return self._envelope([choice], chunk=True)
 
     def usage_chunk(self, u: list[gen_pb.Usage]) -> dict:
-        return {**self._envelope([], chunk=True), "usage": usage(u)}
+        """u: every choice's usage, in index order."""
+        return {**self._envelope([], chunk=True), "usage": usage(u, self.n)}
 
     # ---- logprobs in OpenAI's two shapes --------------------------------------------------------------------------
-    def _prompt_entries(self, prompt_logprobs: list) -> list:
+    @staticmethod
+    def _prompt_entries(prompt: Prompt, prompt_logprobs: list) -> list:
         """The prompt's entries: None for the first token (nothing predicts it), then one per later token."""
-        ids = self.echo_ids or []
+        ids = prompt.ids
         return [(ids[0], None)] + list(prompt_logprobs) if ids else []
 
     def _completion_logprobs(self, index: int, entries: list) -> dict:
@@ -136,12 +151,14 @@ def finish_reason(value: int) -> str:
     return "length" if value == gen_pb.FINISH_REASON_LENGTH else "stop"  # OpenAI has no other reason for us
 
 
-def usage(per_choice: list[gen_pb.Usage]) -> dict:
-    """One prompt, the completion tokens of every choice."""
-    prompt, cached = per_choice[0].prompt_tokens, per_choice[0].cached_tokens
+def usage(per_choice: list[gen_pb.Usage], n: int = 1) -> dict:
+    """per_choice: in index order, n choices per prompt. Each prompt counts once (its first choice's prompt and
+    cached tokens, as vLLM counts them), every choice's completion tokens."""
+    firsts = per_choice[::n]
+    prompt, cached = sum(u.prompt_tokens for u in firsts), sum(u.cached_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in per_choice)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-__all__ = ["Reply", "TokenText", "finish_reason", "usage"]
+__all__ = ["Prompt", "Reply", "TokenText", "finish_reason", "usage"]

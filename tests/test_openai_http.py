@@ -139,7 +139,7 @@ def test_sampling_parameters_reach_the_workers(stack, client, model):
     ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ("completions", {"prompt": [1, 10_000_000]}, "prompt"),
-    ("completions", {"prompt": ["one", "two"]}, "prompt"),
+    ("completions", {"prompt": ["one", [5, 6]]}, "prompt"),  # a batch mixes strings and token ids
     ("completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
     ("completions", {"prompt": "hi", "top_p": 1e-50}, "top_p"),  # 0 as the wire's float32
     ("completions", {"prompt": "hi", "extra_body": {"stop_token_ids": ["x"]}}, "stop_token_ids"),
