@@ -14,12 +14,12 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from pdserve.config import ModelConfig
-from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner
+from pdserve.config import ModelConfig, ParallelConfig
+from pdserve.cuda_graph import CudaGraphConfig
 from pdserve.cuda_streams import make_current
 from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import CacheConfig, LatentKVPool
-from pdserve.model_runner import ModelRunner
+from pdserve.model_runner import ModelRunner, build_graph_runners
 from pdserve.overlap import LaunchedDecode
 from pdserve.prefix_cache import PrefixCache
 from pdserve.request import FinishReason, Request
@@ -29,7 +29,11 @@ from pdserve.sampling import (
 )
 from pdserve.scheduler import Scheduler, SchedulerConfig, SpecDecode
 from pdserve.spec_decode import NextNSpeculator, SpecObserver, SpeculativeConfig
+from pdserve.common.progress import say
 from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.parallel.driver import Driver
+from pdserve.parallel.group import SINGLE, rank_device
+from pdserve.parallel.ranks import Ranks
 from pdserve.weights import load_model, resolve_dtype
 
 
@@ -49,6 +53,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # NextN drafting for decode rows
     # Launch decode step N+1 before reading step N's tokens (pdserve.overlap); plain decode steps only.
     overlap_schedule: bool = True
+    # Tensor parallelism: this engine is rank 0 of parallel.tp_size ranks (device: rank 0's; see pdserve.parallel).
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 class StepHooks:
@@ -104,34 +110,29 @@ class LLMEngine:
                  model_config: Optional[ModelConfig] = None, spec_observer: Optional[SpecObserver] = None,
                  hooks: Optional[StepHooks] = None):
         """spec_observer is told the accepted lengths and draft/verify times of every speculative round; hooks
-        (settable later as `engine.hooks`) are what a tier runs inside each step."""
+        (settable later as `engine.hooks`) are what a tier runs inside each step.
+
+        With config.parallel.tp_size > 1 it starts the other tensor-parallel ranks (stopped by close(), or at exit)."""
+        if config.parallel.tp_size > 1:  # rank 0's device, spelled out (the others are counted from it)
+            config = dataclasses.replace(config, device=rank_device(config.device, 0))
         self.config = config
         make_current(config.device)  # the loading, graph capture and warm-up below launch on it
         self.model_config = model_config or ModelConfig.from_model_dir(config.model_dir)
         cfg = self.model_config
+        config.parallel.check_model(cfg)
         dtype = resolve_dtype(config.dtype, cfg)
         kernels = KernelBackends.create(config.attention_backend, config.moe_backend, config.gemm_backend)
-        self.model = load_model(config.model_dir, cfg, dtype, kernels, config.load_format, config.device,
-                                config.prefix_chunk_tokens, progress)
-        if config.speculative.enabled and not self.model.has_mtp_weights:
-            raise ValueError(f"--speculative-algorithm {config.speculative.algorithm} drafts with the NextN/MTP layer, "
-                             f"but the checkpoint {config.model_dir} has no MTP weights (num_nextn_predict_layers="
-                             f"{cfg.num_nextn_predict_layers}, tensors model.layers.{cfg.num_hidden_layers}.*): "
-                             "drop the flag or use a checkpoint that has them")
-        self.tokenizer = Tokenizer.from_model_dir(config.model_dir) if config.model_dir else None
-        if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size:
-            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
-                             f"{cfg.vocab_size}: the model directory mixes two models")
-        self.pool = LatentKVPool(cfg.num_kv_layers, cfg.kv_cache_dim, config.cache, dtype, config.device)
-        self.prefix_cache = PrefixCache(self.pool.allocator, config.cache.page_size)
         sched = config.scheduler
         if sched.max_model_len > cfg.max_position_embeddings:
             sched = dataclasses.replace(sched, max_model_len=cfg.max_position_embeddings)
-        spec = config.speculative
-        self.scheduler = Scheduler(sched, config.cache, self.prefix_cache, spec.num_steps if spec.enabled else 0)
-        graphs = self._capture_graphs(kernels, sched.max_model_len, progress)
-        self.runner = ModelRunner(self.model, self.pool, config.device, *graphs)
-        self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
+        self.ranks: Optional[Ranks] = None
+        if config.parallel.tp_size > 1:
+            self.ranks = Ranks(config, cfg, config.device, sched.max_model_len, progress or say)
+        try:
+            self._build(kernels, dtype, sched, progress)
+        except BaseException:
+            self.close()
+            raise
         self.spec_observer = spec_observer
         self.hooks = hooks or StepHooks()
         if self.speculator is not None:  # (through self.hooks: a tier sets its hooks after construction)
@@ -145,31 +146,38 @@ class LLMEngine:
         self._launched: Optional[LaunchedDecode] = None  # overlap scheduling: the decode step not yet read
         self.num_overlapped_steps = 0
 
-    def _capture_graphs(self, kernels: KernelBackends, max_model_len: int, progress: Optional[Callable[[str], None]]
-                        ) -> tuple[Optional[DecodeGraphRunner], Optional[DecodeGraphRunner]]:
-        """(target graphs, MTP-layer graphs); the latter only with speculation."""
-        if not self.config.cuda_graph.enabled or not str(self.config.device).startswith("cuda"):
-            return None, None
-        unsafe = [f"{kind}={type(b).__name__}" for kind, b in
-                  (("attention", kernels.attention), ("moe", kernels.moe), ("gemm", kernels.gemm))
-                  if not getattr(b, "graph_safe", False)]
-        if unsafe:  # those synchronise with the host (data-dependent shapes): they cannot be captured
-            (progress or print)(f"CUDA graphs off: backends {', '.join(unsafe)} cannot be captured "
-                                "(use --attention-backend triton --moe-backend triton, or --disable-cuda-graph)")
-            return None, None
-        max_pages = -(-max_model_len // self.pool.page_size)
-        graph_config, spec = self.config.cuda_graph, self.config.speculative
-        if not spec.enabled:
-            return DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress), None
-        # With NextN a batch of B requests verifies B*(k+1) rows and extends up to as many MTP rows: graphs for those
-        # sizes too, so every bucket of plain decode has its speculative counterpart.
-        width = spec.num_steps + 1
-        base = graph_config.buckets()
-        graph_config = dataclasses.replace(graph_config, max_bs=graph_config.max_bs * width,
-                                           batch_sizes=tuple(sorted(set(base) | {b * width for b in base})))
-        return (DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress),
-                DecodeGraphRunner(self.model, self.pool, max_pages, graph_config, progress, mtp=True,
-                                  chain_steps=spec.num_steps - 1, chain_batch_sizes=tuple(base)))
+    def _build(self, kernels: KernelBackends, dtype: torch.dtype, sched: SchedulerConfig,
+               progress: Optional[Callable[[str], None]]) -> None:
+        """The model (this rank's shards), tokenizer, KV pool, scheduler, CUDA graphs and runner."""
+        config, cfg = self.config, self.model_config
+        tp = self.ranks.group if self.ranks is not None else SINGLE
+        self.model = load_model(config.model_dir, cfg, dtype, kernels, config.load_format, config.device,
+                                config.prefix_chunk_tokens, progress, tp=tp)
+        if config.speculative.enabled and not self.model.has_mtp_weights:
+            raise ValueError(f"--speculative-algorithm {config.speculative.algorithm} drafts with the NextN/MTP layer, "
+                             f"but the checkpoint {config.model_dir} has no MTP weights (num_nextn_predict_layers="
+                             f"{cfg.num_nextn_predict_layers}, tensors model.layers.{cfg.num_hidden_layers}.*): "
+                             "drop the flag or use a checkpoint that has them")
+        self.tokenizer = Tokenizer.from_model_dir(config.model_dir) if config.model_dir else None
+        if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
+                             f"{cfg.vocab_size}: the model directory mixes two models")
+        self.pool = LatentKVPool(cfg.num_kv_layers, cfg.kv_cache_dim, config.cache, dtype, config.device)
+        self.prefix_cache = PrefixCache(self.pool.allocator, config.cache.page_size)
+        spec = config.speculative
+        self.scheduler = Scheduler(sched, config.cache, self.prefix_cache, spec.num_steps if spec.enabled else 0)
+        graphs = build_graph_runners(self.model, self.pool, kernels, config.cuda_graph, config.device,
+                                     spec.num_steps if spec.enabled else 0, sched.max_model_len, progress)
+        driver = Driver(self.model, self.ranks) if self.ranks is not None else None
+        self.runner = ModelRunner(self.model, self.pool, config.device, *graphs, driver=driver)
+        self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
+        if self.ranks is not None:
+            self.ranks.wait_ready()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (nothing to do in a single process)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: Optional[str] = None,

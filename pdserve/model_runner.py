@@ -4,14 +4,16 @@ KV pool, and returns the last hidden state and logits of every row that samples.
 from __future__ import annotations
 
 import array
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from pdserve.cuda_graph import DecodeGraphRunner, PackedRows, greedy_draft_chain
+from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner, PackedRows, greedy_draft_chain
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.host_staging import HostStaging
+from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import LatentKVPool, token_slots
 from pdserve.model import DeepseekV3
 from pdserve.request import Request
@@ -37,10 +39,44 @@ class ForwardOutput:
     extend_hidden: Optional[torch.Tensor] = None  # (prefill tokens, D): every prefill row's hidden state
 
 
+def build_graph_runners(model: DeepseekV3, pool: LatentKVPool, kernels: KernelBackends, config: CudaGraphConfig,
+                        device: str, spec_steps: int, max_model_len: int, progress: Optional[Callable[[str], None]]
+                        ) -> tuple[Optional[DecodeGraphRunner], Optional[DecodeGraphRunner]]:
+    """(target graphs, MTP-layer graphs), the latter only with speculation (spec_steps > 0 draft steps); (None,
+    None) off CUDA, with graphs off, or with a backend that cannot be captured. Every tensor-parallel rank captures
+    the same graphs, in the same order (their warm-up forwards run the layers' collectives)."""
+    if not config.enabled or not str(device).startswith("cuda"):
+        return None, None
+    unsafe = [f"{kind}={type(b).__name__}" for kind, b in
+              (("attention", kernels.attention), ("moe", kernels.moe), ("gemm", kernels.gemm))
+              if not getattr(b, "graph_safe", False)]
+    if unsafe:  # those synchronise with the host (data-dependent shapes): they cannot be captured
+        (progress or print)(f"CUDA graphs off: backends {', '.join(unsafe)} cannot be captured "
+                            "(use --attention-backend triton --moe-backend triton, or --disable-cuda-graph)")
+        return None, None
+    max_pages = -(-max_model_len // pool.page_size)
+    if not spec_steps:
+        return DecodeGraphRunner(model, pool, max_pages, config, progress), None
+    # With NextN a batch of B requests verifies B*(k+1) rows and extends up to as many MTP rows: graphs for those
+    # sizes too, so every bucket of plain decode has its speculative counterpart.
+    width = spec_steps + 1
+    base = config.buckets()
+    config = dataclasses.replace(config, max_bs=config.max_bs * width,
+                                 batch_sizes=tuple(sorted(set(base) | {b * width for b in base})))
+    return (DecodeGraphRunner(model, pool, max_pages, config, progress),
+            DecodeGraphRunner(model, pool, max_pages, config, progress, mtp=True, chain_steps=spec_steps - 1,
+                              chain_batch_sizes=tuple(base)))
+
+
 class ModelRunner:
+    """driver (pdserve.parallel.driver.Driver): rank 0 of a tensor-parallel worker calls the model through it, so
+    that every call reaches the other ranks too; None in a single process."""
+
     def __init__(self, model: DeepseekV3, pool: LatentKVPool, device: torch.device,
-                 graphs: Optional[DecodeGraphRunner] = None, mtp_graphs: Optional[DecodeGraphRunner] = None):
-        self.model, self.pool, self.device = model, pool, torch.device(device)
+                 graphs: Optional[DecodeGraphRunner] = None, mtp_graphs: Optional[DecodeGraphRunner] = None,
+                 driver=None):
+        self.model, self.pool, self.device = driver or model, pool, torch.device(device)
+        self.driver = driver
         self.graphs = graphs  # decode batches replay captured CUDA graphs when they fit a bucket
         self.mtp_graphs = mtp_graphs  # likewise for the MTP layer's rows (NextN drafting)
         self.staging = HostStaging(self.device)  # the steps' uploads (the engine's thread only)
@@ -160,7 +196,10 @@ class ModelRunner:
         bucket = graphs.bucket_for(len(rows), width, chain)
         if bucket is None:
             return None
-        return graphs.replay_packed(self.pack_rows(rows, bucket, width), prev_hidden, patch, chain)
+        packed = self.pack_rows(rows, bucket, width)
+        if self.driver is not None:  # every rank replays its graph of this bucket, on rank 0's inputs
+            patch = self.driver.replay_patch(graphs, bucket, packed.width, chain, patch)
+        return graphs.replay_packed(packed, prev_hidden, patch, chain)
 
     def pack_rows(self, rows: list[TokenRow], num_rows: int, width: int) -> PackedRows:
         """The rows in a graph's input layout, padded to num_rows, page tables `width` pages wide, on the host

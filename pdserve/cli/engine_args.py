@@ -72,6 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation/weight dtype; auto = the checkpoint's (FP8 weights stay FP8)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: the model split over N ranks, one process each (GPUs --device and the "
+                        "N-1 after it: cuda:0..N-1 by default); rank 0 schedules and samples (default 1; generate "
+                        "only)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the configured shapes, no files needed")
     g.add_argument("--attention-backend", default="auto", choices=LazyChoices(attention_backend_names),
@@ -116,9 +120,14 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
     from pdserve.engine import EngineConfig
     from pdserve.kv_cache import CacheConfig
     from pdserve.scheduler import SchedulerConfig
+    from pdserve.config import ParallelConfig
     from pdserve.spec_decode import SpeculativeConfig
 
     args.model = resolve_model_dir(args.model)
+    tp = getattr(args, "tp", 1)
+    if tp != 1 and getattr(args, "command", "generate") != "generate":
+        raise UsageError(f"--tp {tp}: tensor parallelism runs in `pdserve generate` only; "
+                         f"`pdserve {args.command}` runs at --tp 1")
     device = args.device
     if device == "auto":
         import torch
@@ -135,6 +144,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         attention_backend=attention, moe_backend=moe, gemm_backend=gemm,
         cuda_graph=CudaGraphConfig(enabled=graphed_decode, max_bs=args.cuda_graph_max_bs),
         overlap_schedule=not args.disable_overlap_schedule,
+        parallel=ParallelConfig(tp_size=tp),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
         speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_num_steps,
                                       args.speculative_num_draft_tokens),

@@ -1,0 +1,63 @@
+"""Rank 0's handle on the model of a tensor-parallel worker: what its ModelRunner calls in place of the model.
+
+Each entry point first hands the call and its batch to the other ranks (pdserve.parallel.steps), then runs it here;
+the other ranks run the same forward (pdserve.parallel.worker), so the layers' collectives meet. They compute no
+logits: lm_head is replicated and only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from pdserve.forward_batch import ForwardBatch
+from pdserve.parallel.ranks import Ranks
+from pdserve.parallel.steps import ForwardCall, ReplayCall, send_batch, send_graph_inputs
+
+
+class Driver:
+    def __init__(self, model, ranks: Ranks):
+        self.model, self.ranks = model, ranks
+        self.cfg, self.kernels = model.cfg, model.kernels
+
+    @property
+    def has_mtp_weights(self) -> bool:
+        return self.model.has_mtp_weights
+
+    def __call__(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        with self.ranks.guard():
+            self.ranks.announce(ForwardCall.of(batch))
+            send_batch(self.ranks.group, batch, None)
+            return self.model(batch, kv_cache)
+
+    def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, kv_cache: torch.Tensor, depth: int = 0,
+                    logits: bool = True):
+        if not self.model.has_mtp_weights:  # its error, with nothing announced
+            return self.model.mtp_forward(batch, prev_hidden, kv_cache, depth, logits)
+        with self.ranks.guard():
+            self.ranks.announce(ForwardCall.of(batch, prev_hidden, depth))
+            send_batch(self.ranks.group, batch, prev_hidden)
+            return self.model.mtp_forward(batch, prev_hidden, kv_cache, depth, logits)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def replay_patch(self, graphs, rows: int, width: int, chain: bool,
+                     patch: Optional[Callable[[torch.Tensor], None]]) -> Callable[[torch.Tensor], None]:
+        """The patch to give DecodeGraphRunner.replay_packed for a replay every rank makes: it runs once the graph's
+        inputs are filled (after `patch`, which edits the token ids on the device), so it hands the other ranks
+        exactly what rank 0's graph is about to read; each then replays its own graph of the same bucket."""
+        graph = graphs.graphs[rows]
+
+        def patch_then_share(input_ids: torch.Tensor) -> None:
+            if patch is not None:
+                patch(input_ids)
+            with self.ranks.guard():
+                self.ranks.announce(ReplayCall(graphs.mtp, chain, rows, width))
+                send_graph_inputs(self.ranks.group, graph, width)
+
+        return patch_then_share
+
+
+__all__ = ["Driver"]

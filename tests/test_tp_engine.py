@@ -1,0 +1,101 @@
+"""Tensor parallelism end to end on the CPU (Gloo, fp32): an engine of 2 ranks (this process and a real second
+process) gives the single-process engine's greedy tokens, on the trained demo model (NextN speculation included),
+on random V3 and V2 models and on a block-FP8 one; prompts are batched, chunked and hit the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import ParallelConfig
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kv_cache import CacheConfig
+from pdserve.sampling import SamplingParams
+from pdserve.scheduler import SchedulerConfig
+from pdserve.spec_decode import SpeculativeConfig
+
+from golden import PROMPTS
+from test_tp_weights import fp8_checkpoint
+
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+# A shared prefix longer than a page (run again, they hit the prefix cache) and a prompt longer than a step's token
+# budget (chunked prefill).
+SHARED = [list(range(40, 70)) + [3, 4, 5], list(range(40, 70)) + [9]]
+ID_PROMPTS = SHARED + [list(range(200, 260)), [7]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_per_rank():
+    """Two ranks on this 2-core machine: one thread each (the other rank runs its own)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def engine(model_dir, tp: int, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(str(model_dir), dtype="float32", cache=CacheConfig(page_size=4, num_pages=256),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=48, max_running_requests=8),
+                                  parallel=ParallelConfig(tp_size=tp), **kw), progress=lambda _m: None)
+
+
+def outputs(e: LLMEngine, prompts) -> list[tuple[list[int], int]]:
+    """(tokens, cached prompt tokens) of every prompt at once (continuous batching), then of the shared-prefix
+    prompts again, one by one (prefix-cache hits)."""
+    runs = e.generate(prompts, GREEDY) + [e.generate([p], GREEDY)[0] for p in SHARED]
+    return [(o.output_ids, o.cached_tokens) for o in runs]
+
+
+def compare(model_dir, prompts, **kw) -> None:
+    want = outputs(engine(model_dir, 1, **kw), prompts)
+    parallel = engine(model_dir, 2, **kw)
+    try:
+        got = outputs(parallel, prompts)
+    finally:
+        parallel.close()
+    assert any(cached for _, cached in got)  # some prompt reused the pages of another
+    assert got == want
+
+
+@pytest.fixture(scope="module")
+def trained(trained_model_dir):
+    """(the single-process engine, its outputs) on the demo model."""
+    single = engine(trained_model_dir, 1)
+    return single, outputs(single, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS)
+
+
+def test_tp2_gives_the_single_process_tokens_on_the_trained_model(trained_model_dir, trained):
+    single, want = trained
+    parallel = engine(trained_model_dir, 2)
+    try:
+        got = outputs(parallel, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS)
+        assert parallel.num_overlapped_steps > 0  # decode steps whose tokens only rank 0's device had
+        assert got == want and any(cached for _, cached in got)
+        # the logits behind them: the logprobs of every token and its alternatives, TP2 against one process
+        lp = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3)
+        a, b = single.generate(PROMPTS[:2], lp), parallel.generate(PROMPTS[:2], lp)
+        diff = max(abs(x - y) for oa, ob in zip(a, b) for ta, tb in zip(oa.logprobs, ob.logprobs)
+                   for x, y in zip([ta.logprob] + [t[1] for t in ta.top], [tb.logprob] + [t[1] for t in tb.top]))
+        print(f"max |logprob TP2 - TP1| = {diff:.2e}")
+        assert diff < 1e-4
+    finally:
+        parallel.close()
+
+
+def test_tp2_with_nextn_speculation_is_lossless(trained_model_dir, trained):
+    """Drafts chained through the MTP layer on every rank, verified by the target: the plain greedy tokens."""
+    _, want = trained
+    parallel = engine(trained_model_dir, 2, speculative=SpeculativeConfig("NEXTN", 3))
+    try:
+        assert outputs(parallel, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS) == want
+    finally:
+        parallel.close()
+
+
+@pytest.mark.parametrize("model", ["tiny_v3_dir", "tiny_v2_dir"])
+def test_tp2_gives_the_single_process_tokens_on_random_models(model, request):
+    compare(request.getfixturevalue(model), ID_PROMPTS)
+
+
+def test_tp2_gives_the_single_process_tokens_with_fp8_blocks(tmp_path, tiny_v3_dir):
+    compare(fp8_checkpoint(tmp_path / "fp8-32", tiny_v3_dir, 32), ID_PROMPTS)
