@@ -40,9 +40,11 @@ from .pacing import DecodePacing
 from .streams import Connection, StreamHub
 
 log = logging.getLogger(__name__)
-# A reservation that no DecodeStream call has attached this long after Reserve answered is released: the router
-# attaches right after the answer, so its absence means the request ended (deadline, cancel, router gone).
-RESERVATION_ATTACH_S = 1.0
+# A reservation that no DecodeStream call has attached this long after Reserve answered (or by the request's
+# deadline, if sooner) is released: the router attaches right after the answer, so its absence means the request
+# ended (deadline, cancel, router gone). NOTE: not shorter than a busy router's event loop may take to send the
+# attach; a router whose attach still comes too late gets NOT_FOUND and retries the request on another worker.
+RESERVATION_ATTACH_S = 5.0
 # The requests_total outcome of each way a request ends.
 OUTCOMES = {Phase.DONE: "finished", Phase.CANCELLED: "aborted", Phase.FAILED: "failed"}
 
@@ -231,7 +233,9 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
             await abort_with(context, e)
         # Registered before any output can exist: outputs are produced only after the KV arrives.
         stream = w.streams.open(rid)
-        asyncio.get_running_loop().call_later(RESERVATION_ATTACH_S, self._release_unattached, stream)
+        left = context.time_remaining()  # (None: the request has no deadline)
+        release_in = RESERVATION_ATTACH_S if left is None else min(RESERVATION_ATTACH_S, left)
+        asyncio.get_running_loop().call_later(release_in, self._release_unattached, stream)
         return pb.ReserveResponse(room=r.room, kv_endpoint=w.kv_endpoint, dst_pages=r.pages,
                                   layout=layout_to_proto(w.layout), skip_mtp_kv=w.skip_mtp_kv)
 
@@ -269,8 +273,8 @@ class DecodeServicer(WorkerControl, pb_grpc.DecodeWorkerServicer):
         if stream.conn is not None or w.streams.get(stream.request_id) is not stream:
             return
         w.streams.drop(stream.request_id, finished=True)
-        log.info("request %s: no DecodeStream call attached it within %g s of its reservation; releasing it",
-                 stream.request_id, RESERVATION_ATTACH_S)
+        log.info("request %s: no DecodeStream call attached it within %g s of its reservation, or by its deadline; "
+                 "releasing it", stream.request_id, RESERVATION_ATTACH_S)
         w.abort(stream.request_id)
 
 

@@ -39,7 +39,7 @@ from pdserve.serving.rpc_convert import sampling_to_proto
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 
-from .call_failed import failure_of
+from .call_failed import CallFailed, failure_of
 from .decode_streams import DecodeCall, DecodeStreams
 from .first_token import EarlyFirstToken
 from .prefill_streams import PrefillCall, PrefillStreams
@@ -127,6 +127,12 @@ class Relay:
             timeout=_left(self.req.deadline), metadata=self.links.metadata))
         try:
             await asyncio.wait({call, self.down, self.answer}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the request ended (client gone, deadline) as the reservation came
+            if call.done() and not call.cancelled() and call.exception() is None:
+                # Nobody will attach it: attached here to be cancelled by close(), its pages go now rather than at
+                # the decode worker's attach deadline.
+                self.decode_call = self.links.decode_streams.attach(self.decode, self.req.rid, self.feed)
+            raise
         finally:
             if not call.done():
                 call.cancel()  # the decode worker releases what it reserved when the call ends
@@ -233,7 +239,13 @@ class Relay:
         if isinstance(item, pb.PrefillResponse):  # the first token early, unless the decode worker's stream came first
             return self.early.update_for(item.first_token_id) if not self.output_ids else None
         if item.HasField("failure"):
-            raise failure_of(item.failure)
+            failure = failure_of(item.failure)
+            if failure.code() == grpc.StatusCode.NOT_FOUND and not self.decoding:
+                # Refused at attach: the decode worker released the reservation before the attach came (later than
+                # its attach deadline). The request never ran there: retried elsewhere like an unreachable worker.
+                raise CallFailed(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.decode.address} had released the "
+                                 f"reservation when it was attached ({failure.details()})")
+            raise failure
         if self.early is not None:
             self.early.strip(item)
         if not self.decoding:

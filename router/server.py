@@ -16,7 +16,8 @@ import grpc
 
 from pdserve.serving.auth import BearerAuthInterceptor
 from pdserve.serving.grpc_shell import (
-    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, start_serving,
+    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, message_fields,
+    start_serving,
 )
 from pdserve.serving.metrics import Metrics
 from pdserve.common.blocks import block_hashes
@@ -43,6 +44,12 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_STOP_TOKEN_IDS = 256
+# A token id takes at most this many bytes in a message: a 5-byte varint, and a tag byte when the repeated field is
+# not packed. What a GenerateRequest's fields may hold is bounded from these before it is parsed.
+MAX_ID_BYTES = 6
+MAX_UNKNOWN_FIELD_BYTES = 64 << 10  # fields of a newer GenerateRequest this router does not know
+_REQUEST_FIELDS = {f.number: f.name for f in gen_pb.GenerateRequest.DESCRIPTOR.fields}
+_PARAMS_FIELDS = {f.number: f.name for f in gen_pb.SamplingParams.DESCRIPTOR.fields}
 # Text prompts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones
 # on the tokenizer threads, without the GIL, so that a long prompt never holds up other requests.
 INLINE_TOKENIZE_CHARS = 16384
@@ -226,6 +233,30 @@ class Router:
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, lambda: self.tokenizer.encode(text, release_gil=True))
         return self.check_ids(ids, field)
+
+    def check_request_bytes(self, raw: bytes) -> None:
+        """A GenerateRequest's fields bounded by their sizes in its bytes, before it is parsed (MessageGuard's
+        precheck): parsing millions of token ids holds the event loop every other client waits on, and protobuf
+        holds the GIL while it parses, so a thread would not free the loop. What passes holds at most the model's
+        context in ids and parses in a moment. (A text prompt parses as one copy: bounded by --max-request-bytes,
+        then by its characters in encode_text.)"""
+        context = self.model_info().max_context_length
+        sizes = _field_sizes(raw)
+        limits = {"tokenized": (MAX_ID_BYTES * context, "tokenized.input_ids: {} bytes of token ids are more than "
+                                f"the model's context of {context} tokens can hold (a prompt may have at most "
+                                f"{context - 1} ids, {MAX_ID_BYTES * context} bytes)"),
+                  "stop_token_ids": (MAX_ID_BYTES * MAX_STOP_TOKEN_IDS, "sampling_params.stop_token_ids: at most "
+                                     f"{MAX_STOP_TOKEN_IDS} ids (got {{}} bytes of them)"),
+                  "stop": (MAX_STOP_STRINGS * (4 * MAX_STOP_CHARS + 1), "sampling_params.stop: at most "
+                           f"{MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters (got {{}} bytes "
+                           "of them)"),
+                  "request_id": (4 * MAX_REQUEST_ID_CHARS, f"request_id: at most {MAX_REQUEST_ID_CHARS} printable "
+                                 "characters (got {} bytes)"),
+                  "unknown": (MAX_UNKNOWN_FIELD_BYTES, "{} bytes of fields that GenerateRequest and SamplingParams "
+                              "do not have")}
+        for name, (limit, message) in limits.items():
+            if sizes.get(name, 0) > limit:
+                raise invalid(message.format(sizes[name]))
 
     def check_length(self, num_ids: int, field: str = "input_ids") -> None:
         """A prompt of `num_ids` tokens leaves room for at least one new token: checked before anything reads the
@@ -421,7 +452,7 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
         router.config.host, router.config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name],
         lambda s: gen_grpc.add_GenerationServicer_to_server(GenerationServicer(router), s), options=options,
         interceptors=auth, drain=Drain(tracked={"Generate"}, refused={"Generate"}),
-        credentials=security.server_credentials())
+        credentials=security.server_credentials(), prechecks={"Generate": router.check_request_bytes})
     await router.pool.start()
     if router.config.warm_pairs:  # before it serves: no client request pays for a pair's KV connection
         vocab_size = lambda: router.model_info().vocab_size  # noqa: E731
@@ -432,6 +463,21 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
     await start_serving(server, serving)
     router.health_task = asyncio.create_task(follow_health(server, router.pool, serving))
     return server, port
+
+
+def _field_sizes(raw: bytes) -> dict[str, int]:
+    """Bytes of each field of the GenerateRequest `raw`, and of its sampling_params' fields, by name (a field given
+    twice counts twice: the parser merges them); fields neither message has count as "unknown"."""
+    sizes: dict[str, int] = {}
+    view = memoryview(raw)
+    for number, start, end in message_fields(view):
+        name = _REQUEST_FIELDS.get(number, "unknown")
+        sizes[name] = sizes.get(name, 0) + end - start
+        if name == "sampling_params":
+            for inner, s, e in message_fields(view[start:end]):
+                inner_name = _PARAMS_FIELDS.get(inner, "unknown")
+                sizes[inner_name] = sizes.get(inner_name, 0) + e - s
+    return sizes
 
 
 def _is_unicode(text: str) -> bool:

@@ -68,9 +68,12 @@ BAD_INPUTS = [
     ("request_id of 300 chars", {**OK_PROMPT, "request_id": "r" * 300}, INVALID, "request_id"),
     ("request_id with a NUL", {**OK_PROMPT, "request_id": "a\x00b"}, INVALID, "request_id"),
     ("message > 16 MiB", {"text": "a" * (17 << 20)}, EXHAUSTED, ""),
-    # Its length is checked before anything reads the ids (millions of them held every client's event loop): the
-    # answer names the length, not the out-of-vocabulary id at its start.
-    ("100k token ids, the first out of vocab", ids(VOCAB, *[5] * 100_000), INVALID, "the prompt has 100001 tokens"),
+    # Its size is checked before the message is parsed (millions of ids held every client's event loop), and the
+    # length of one that passes before anything reads the ids: the answer names its size or its length, not the
+    # out-of-vocabulary id at its start.
+    ("100k token ids, the first out of vocab", ids(VOCAB, *[5] * 100_000), INVALID,
+     "bytes of token ids are more than the model's context"),
+    ("3000 token ids, the first out of vocab", ids(VOCAB, *[5] * 3000), INVALID, "the prompt has 3001 tokens"),
 ]
 
 

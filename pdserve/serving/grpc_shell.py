@@ -10,7 +10,7 @@ import logging
 import signal
 import time
 import weakref
-from typing import Awaitable, Callable, Iterable, Optional, Sequence
+from typing import Awaitable, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -139,13 +139,21 @@ class Drain(grpc.aio.ServerInterceptor):
 class MessageGuard(grpc.aio.ServerInterceptor):
     """Parses request messages itself, so that bytes which are not a valid message (a string field holding invalid
     UTF-8, corrupt bytes) end with INVALID_ARGUMENT naming the message type, not UNKNOWN carrying protobuf's text;
-    and refuses a message that sets two members of one oneof (protobuf would keep the last one silently)."""
+    and refuses a message that sets two members of one oneof (protobuf would keep the last one silently).
+
+    prechecks: method name -> check(raw bytes), run before the message is parsed; a ServiceError it raises ends the
+    call with its status. For bounds on what parsing costs: protobuf parses on the event loop and holds the GIL (a
+    thread would not free the loop), so millions of repeated ids must be refused from their size (message_fields)."""
+
+    def __init__(self, prechecks: Optional[Mapping[str, Callable[[bytes], None]]] = None):
+        self.prechecks = dict(prechecks or {})
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         parse = getattr(handler, "request_deserializer", None)
         if handler is None or handler.request_streaming or parse is None:
             return handler
+        precheck = self.prechecks.get(details.method.rsplit("/", 1)[-1])
         inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
         if handler.response_streaming and not inspect.isasyncgenfunction(inner):
             return handler  # it writes with context.write (grpc.health.v1's Watch): there is nothing to iterate
@@ -153,6 +161,11 @@ class MessageGuard(grpc.aio.ServerInterceptor):
 
         async def checked(raw: bytes, context) -> object:
             problem = None
+            if precheck is not None:
+                try:
+                    precheck(raw)
+                except ServiceError as e:
+                    await context.abort(e.code, str(e))
             try:
                 request = parse(raw)
             except Exception:  # protobuf's DecodeError, or anything a custom deserializer raises
@@ -182,46 +195,56 @@ class MessageGuard(grpc.aio.ServerInterceptor):
 
 def _oneof_set_twice(descriptor, raw: bytes) -> Optional[str]:
     """'prompt: give exactly one of text or tokenized' when the top-level fields of `raw` (a valid message) set two
-    members of one oneof; None otherwise. Walks only the top-level tags: a 16 MB text field is one step."""
+    members of one oneof; None otherwise."""
     if descriptor is None or not descriptor.oneofs:
         return None
-    seen, i, n = set(), 0, len(raw)
-
-    def varint() -> int:
-        nonlocal i
-        value, shift = 0, 0
-        while True:
-            b = raw[i]
-            i += 1
-            value |= (b & 0x7F) << shift
-            if b < 0x80:
-                return value
-            shift += 7
-
-    try:
-        while i < n:
-            tag = varint()
-            seen.add(tag >> 3)
-            wire = tag & 7
-            if wire == 0:
-                varint()
-            elif wire == 1:
-                i += 8
-            elif wire == 2:
-                length = varint()  # NOTE: not `i += varint()`, which would add to i as it was before the call
-                i += length
-            elif wire == 5:
-                i += 4
-            else:
-                return None  # groups: not used by pdserve's protos
-    except IndexError:
-        return None  # parsed fine a moment ago: nothing to add
+    seen = {number for number, _, _ in message_fields(raw)}
     for oneof in descriptor.oneofs:
         given = [f.name for f in oneof.fields if f.number in seen]
         if len(given) > 1:
             return (f"{oneof.name}: give exactly one of {' or '.join(f.name for f in oneof.fields)} "
                     f"(got {' and '.join(given)})")
     return None
+
+
+def message_fields(raw) -> Iterator[tuple[int, int, int]]:
+    """(field number, start, end) of each top-level field's value in the message `raw` (bytes or a memoryview of
+    them), in order, without parsing it: a 16 MB field is one step. Stops where the bytes stop being a message (the
+    parser will refuse them)."""
+    i, n = 0, len(raw)
+
+    def varint() -> int:
+        nonlocal i
+        value, shift = 0, 0
+        while shift < 70:  # a varint has at most 10 bytes: a longer run is not a message (and would be a long walk)
+            b = raw[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            if b < 0x80:
+                return value
+            shift += 7
+        raise IndexError("not a varint")
+
+    try:
+        while i < n:
+            tag = varint()
+            wire, start = tag & 7, i
+            if wire == 0:
+                varint()
+            elif wire == 1:
+                i += 8
+            elif wire == 2:
+                length = varint()  # NOTE: not `i += varint()`, which would add to i as it was before the call
+                start, i = i, i + length
+            elif wire == 5:
+                i += 4
+            else:
+                return  # groups: not used by pdserve's protos
+            if i > n:
+                return
+            yield tag >> 3, start, i
+    except IndexError:
+        return
 
 
 class PortInUse(OSError):
@@ -277,16 +300,17 @@ def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
 def create_server(host: str, port: int, service_names: Iterable[str],
                   add_servicers: Callable[[grpc.aio.Server], None], *, options: Optional[Sequence[tuple]] = None,
                   interceptors: Sequence[grpc.aio.ServerInterceptor] = (), drain: Optional[Drain] = None,
-                  credentials: Optional[grpc.ServerCredentials] = None) -> tuple[grpc.aio.Server, int]:
+                  credentials: Optional[grpc.ServerCredentials] = None,
+                  prechecks: Optional[Mapping[str, Callable[[bytes], None]]] = None) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with our servicers, health (SERVING for each service) and reflection. Returns (server,
     bound port); port 0 picks a free one. `interceptors` run first (authentication), then `drain`; with
-    `credentials` the port speaks TLS."""
+    `credentials` the port speaks TLS; `prechecks`: see MessageGuard."""
     drain = drain or Drain()
     # NOTE: so_reuseport off: gRPC's default lets a second server bind the same port, and the kernel then splits new
     # connections between the two (two stacks' answers silently mixed); off, the second bind fails (PortInUse).
     opts = [o for o in (options or CHANNEL_OPTIONS) if o[0] != "grpc.so_reuseport"] + [("grpc.so_reuseport", 0)]
     # MessageGuard last (innermost): the handlers of the others pass the raw bytes through to it.
-    server = grpc.aio.server(options=opts, interceptors=[*interceptors, drain, MessageGuard()])
+    server = grpc.aio.server(options=opts, interceptors=[*interceptors, drain, MessageGuard(prechecks)])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -13,6 +13,8 @@ process started without this folder on its path has no hooks at all.
     PDTEST_DECODE_SLOW_KV_ARRIVAL_S=S     a decode worker: each prompt's received KV waits S seconds before the
                                           engine thread takes it (a slow transfer)
     PDTEST_PREFILL_SLOW_FIRST_FORWARD_S=S a prefill worker's engine: its first forward sleeps S seconds
+    PDTEST_DECODE_ATTACH_DEADLINE_S=S     a decode worker: a reservation no DecodeStream call attached within S
+                                          seconds is released (0: before any router's attach can come)
 
 Adding a hook: a function patch(module, value) and a line in HOOKS naming the variable and the module it patches.
 """
@@ -72,11 +74,16 @@ def decode_slow_kv_arrival(server, seconds: float) -> None:
     server.DecodeWorker._kv_arrived = kv_arrived_late
 
 
+def decode_attach_deadline(server, seconds: float) -> None:
+    server.RESERVATION_ATTACH_S = seconds
+
+
 # variable -> (module patched once imported, patch(module, the variable's value as a float))
 HOOKS: dict[str, tuple[str, Callable[[Any, float], None]]] = {
     "PDTEST_DECODE_SLOW_FIRST_FORWARD_S": ("pdserve.decode_service.server", decode_slow_first_forward),
     "PDTEST_DECODE_SLOW_KV_ARRIVAL_S": ("pdserve.decode_service.server", decode_slow_kv_arrival),
     "PDTEST_PREFILL_SLOW_FIRST_FORWARD_S": ("pdserve.prefill_service.server", prefill_slow_first_forward),
+    "PDTEST_DECODE_ATTACH_DEADLINE_S": ("pdserve.decode_service.server", decode_attach_deadline),
 }
 
 
