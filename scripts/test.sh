@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # The test extras, installed once (find_spec: no import, so no cost on later runs).
 python3 -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
-  ('pytest', 'openai', 'transformers', 'pdserve')))" 2>/dev/null || scripts/setup.sh
+  ('pytest', 'openai', 'transformers', 'matplotlib', 'pdserve')))" 2>/dev/null || scripts/setup.sh
 interp=(tests/test_triton_attention_interpret.py tests/test_triton_moe_gemm_interpret.py tests/test_triton_norm_rope_interpret.py)
 ignore=()
 for f in "${interp[@]}"; do ignore+=(--ignore="$f"); done

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="pdserve",
         description="Prefill/decode disaggregated serving for DeepSeek-V3-family models (MLA, MoE, NextN).")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="`pdserve COMMAND --help` lists its flags")
 
     gen = sub.add_parser("generate", help="run a prompt through the single-process engine and print the output",
                          description="Run one prompt through the single-process engine (greedy by default).")
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", metavar="HOST:PORT", help="send the request to a running router instead of "
                      "loading the model here (then the engine flags are ignored)")
     gen.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a --target (default 600)")
+    gen.add_argument("--api-key", default=None, metavar="KEY",
+                     help="sent to the --target router as 'authorization: Bearer KEY' (a router started with "
+                          "--api-key requires it)")
     gen.set_defaults(func=engine_commands.cmd_generate)
 
     for role, text in (("prefill", "run a prefill worker (computes prompts, ships their KV to decode workers)"),
@@ -63,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "starts, and the endpoints are listed once the stack is up.")
     add_engine_args(up)
     ug = up.add_argument_group("stack")
-    ug.add_argument("--host", default="127.0.0.1")
+    ug.add_argument("--host", default="127.0.0.1",
+                    help="address the router's gRPC, HTTP and metrics ports listen on (0.0.0.0 for all; default "
+                         "127.0.0.1)")
     ug.add_argument("--port", type=int, default=50051, help="router's client port (default 50051)")
     ug.add_argument("--prefill", type=int, default=1, metavar="N",
                     help="prefill workers (default 1), each a process with its own model copy and KV pool; they "
@@ -81,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--decode-gpus", type=gpu_list, default=None, metavar="1",
                     help="the decode workers' GPUs (a GPU may be in both lists: its workers share it)")
     ug.add_argument("--redis-url", default=None, help="Redis for discovery and prefix ownership (optional)")
-    ug.add_argument("--balance-threshold", type=int, default=4)
+    ug.add_argument("--balance-threshold", type=int, default=4, metavar="N",
+                    help="extra requests tolerated on the prefill worker that holds a prompt's prefix before load "
+                         "decides (default 4)")
     ug.add_argument("--metrics-port", type=int, default=9100, metavar="PORT",
                     help="router's Prometheus /metrics port (default 9100); worker k (prefill workers first) serves "
                          "its own on PORT+1+k (9101, 9102, ...); 0 = free ports for all, listed at start-up")
@@ -90,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="router's OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                          "/health, /metrics; default 8000)")
     ug.add_argument("--no-http", action="store_true", help="serve no OpenAI HTTP API (gRPC only)")
-    ug.add_argument("--transfer-timeout", type=float, default=300.0)
+    ug.add_argument("--transfer-timeout", type=float, default=300.0, metavar="S",
+                    help="seconds a KV transfer may take before the request fails (default 300)")
     ug.add_argument("--internal-token", default=None, metavar="TOKEN",
                     help="shared secret of the internal endpoints: the workers require it, the router sends it "
                          "(handed to the workers through their environment, never their command line)")
@@ -104,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     ug.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for workers to start")
     serve.add_min_step_interval_arg(ug, "--decode-min-step-interval-ms")
     ug.add_argument("--decode-gpu-share", type=serve.up_gpu_share, default="auto", metavar="auto|SHARE",
-                    help=serve.GPU_SHARE_HELP + f". auto (default): {up_command.SHARED_GPU_DECODE_SHARE:.2g} when "
-                    "the workers share one GPU (--device cuda, any transport but nccl), else 1 (no limit)")
+                    help=serve.GPU_SHARE_HELP + ". auto (default): a third when a decode worker shares its GPU with "
+                    "a prefill worker (one GPU, any transport but nccl), else 1 (no limit)")
     serve.add_stream_interval_arg(ug)
     serve.add_warmup_args(ug)
     up.set_defaults(func=up_command.cmd_up)
@@ -131,9 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="write a small random DeepSeek checkpoint (with MTP + tokenizer)",
                           description="Write a small random checkpoint in Hugging Face format for demos and tests.")
     tiny.add_argument("dir", help="output directory (must not exist or be empty)")
-    tiny.add_argument("--arch", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v2"])
+    tiny.add_argument("--arch", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v2"],
+                      help="model_type of the checkpoint: deepseek_v3 (with an MTP layer) or deepseek_v2 "
+                           "(default deepseek_v3)")
     tiny.add_argument("--fp8", action="store_true", help="store linear weights block-quantized (128x128) in FP8")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     tiny.set_defaults(func=engine_commands.cmd_make_tiny_model)
     return parser
 

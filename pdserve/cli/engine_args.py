@@ -17,22 +17,24 @@ CHECKOUT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 DEFAULT_MODEL_DIR = os.path.join(CHECKOUT_DIR, "models", "tiny-trained")
 
 
-def attention_backend_names() -> list[str]:
-    from pdserve.kernels import ATTENTION_BACKENDS
+def backend_names(kind: str) -> list[str]:
+    """Every backend of `kind` pdserve has, whether or not its package is installed here: one that cannot run here
+    is refused with the reason when the engine is configured (exit 2), not by argparse as an unknown name."""
+    from pdserve.kernels.backends import PREFERENCE, REGISTRIES
 
-    return ["auto", *ATTENTION_BACKENDS.names()]
+    return ["auto", *sorted(set(REGISTRIES[kind].names()) | set(PREFERENCE[kind]))]
+
+
+def attention_backend_names() -> list[str]:
+    return backend_names("attention")
 
 
 def moe_backend_names() -> list[str]:
-    from pdserve.kernels import MOE_BACKENDS
-
-    return ["auto", *MOE_BACKENDS.names()]
+    return backend_names("moe")
 
 
 def gemm_backend_names() -> list[str]:
-    from pdserve.kernels import GEMM_BACKENDS
-
-    return ["auto", *GEMM_BACKENDS.names()]
+    return backend_names("gemm")
 
 
 class UsageError(Exception):
@@ -83,15 +85,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "before every graphed step), else flashinfer, then triton, whichever is installed; torch on "
                         "CPU")
     g.add_argument("--moe-backend", default="auto", choices=LazyChoices(moe_backend_names),
-                   help="auto, on a GPU: deep_gemm where its probe passes (batches up to 1536 tokens run the Triton "
-                        "MoE inside it), else triton; torch on CPU. A backend that cannot run here exits 2 with the "
+                   help="auto, on a GPU: deep_gemm where its probe passes (small batches run the Triton MoE "
+                        "inside it), else triton; torch on CPU. A backend that cannot run here exits 2 with the "
                         "reason")
     g.add_argument("--gemm-backend", default="auto", choices=LazyChoices(gemm_backend_names),
                    help="dense (block-FP8) GEMMs: auto = deep_gemm where its probe passes, else scaled_mm, on a "
                         "GPU; torch when the MoE backend is torch")
-    g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly (to compare)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on a GPU: run decode eagerly, without CUDA graphs (to compare; the CPU has none)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=64,
-                   help="largest decode batch captured in a CUDA graph (default 64)")
+                   help="on a GPU: largest decode batch captured in a CUDA graph (default 64)")
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next (default: the next step is "
                         "launched first, so the host's work per step hides behind the GPU's)")
@@ -99,7 +102,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=int, default=2048, help="pages in the latent KV pool (default 2048)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step; longer prompts are prefilled in chunks (default 2048)")
-    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--max-running-requests", type=int, default=64,
+                   help="requests decoding at once; more wait for a slot (default 64)")
     g.add_argument("--max-model-len", type=int, default=4096, metavar="N",
                    help="tokens per request, prompt and output together (default 4096; at most the model's "
                         "max_position_embeddings, to which a larger value is lowered)")
@@ -156,14 +160,17 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate, at most (default 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probabilities add up to this (default 1: all)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="1,2")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="1,2",
+                   help="token ids that end the output, besides the model's end-of-sequence token")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token, up to --max-new-tokens")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each new token's log-probability and its N (0-20) most likely alternatives")
 

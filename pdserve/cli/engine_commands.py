@@ -12,17 +12,17 @@ from pdserve.common.progress import say as _progress
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pdserve.engine import LLMEngine
-
     if (args.prompt is None) == (args.input_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --input-ids 1,2,3")
     params = sampling_params_from_args(args)  # validate before the (slow) model load
     if args.prompt == "" or args.input_ids == []:
         raise UsageError("the prompt is empty: give at least one token")
-    if args.target:
+    if args.target:  # a client of a running router: no torch, no engine (their import alone takes seconds)
         from pdserve.cli.serve import generate_remote
 
         return generate_remote(args, params)
+    from pdserve.engine import LLMEngine
+
     start = time.monotonic()
     engine = LLMEngine(engine_config_from_args(args), progress=_progress)
     _progress(f"model ready in {time.monotonic() - start:.1f}s ({engine.model_config.name}, "

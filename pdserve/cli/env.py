@@ -5,8 +5,13 @@ of the one image the same way (docker-compose `environment:`, a Kubernetes Confi
 
 Values go through the flag's own argparse type and choices, so `PDSERVE_PORT=abc` fails as `--port abc` would,
 naming the variable. Switches (`--no-prefix-cache`) take 1/true/yes/on or 0/false/no/off. Repeatable flags
-(`--prefill HOST:PORT`, `--api-key`) take a comma-separated list. An empty variable counts as unset (compose's
-`${VAR:-}` passes empty strings through).
+(`--prefill HOST:PORT`, `--api-key`) and flags of several values (`bench --max-concurrency 1 4 16`) take a
+comma-separated list. An empty variable counts as unset (compose's `${VAR:-}` passes empty strings through).
+
+A variable that no command reads is reported (a typo); one that only other commands read is not, since containers
+share one configuration across roles. The exception is a variable that guards a server (API keys, the internal
+token, a TLS certificate): a server command that has no flag for it would serve less guarded than asked, so it
+refuses to start (GUARDS).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class EnvDefault:
     flag: str
     dest: str
     value: Any
+    appends: bool = False  # a repeatable flag: argparse adds the command line's values to this default
 
 
 def variable_for(option: str) -> str:
@@ -68,7 +74,7 @@ def _convert(action: argparse.Action, variable: str, raw: str) -> Any:
             raise EnvError(f"{variable}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
         on = word in _TRUE
         return on if isinstance(action, argparse._StoreTrueAction) else not on
-    if isinstance(action, argparse._AppendAction):
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
         return [one(part.strip()) for part in raw.split(",") if part.strip()]
     return one(raw)
 
@@ -85,7 +91,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, command: str,
             continue
         value = _convert(action, variable, environ[variable])
         action.default = value
-        applied.append(EnvDefault(variable, option, action.dest, value))
+        applied.append(EnvDefault(variable, option, action.dest, value, isinstance(action, argparse._AppendAction)))
     return applied
 
 
@@ -96,12 +102,39 @@ DIAGNOSTIC_VARIABLES = {
 }
 
 
+def _variables(parser: argparse.ArgumentParser) -> set[str]:
+    return {variable_for(o) for o in map(_long_option, parser._actions) if o}
+
+
 def known_variables(parser: argparse.ArgumentParser) -> set[str]:
     """Every PDSERVE_* name that some command's flag reads, and the diagnostic switches."""
     names = set(DIAGNOSTIC_VARIABLES)
     for sub in [parser, *_subparsers(parser).values()]:
-        names |= {variable_for(o) for o in map(_long_option, sub._actions) if o}
+        names |= _variables(sub)
     return names
+
+
+SERVERS = ("up", "router", "prefill", "decode")
+# The variables that guard a server, and the commands that must honour each when it is set. Workers take no API key:
+# clients never call them (the internal token guards them), so a shared configuration may give them one.
+GUARDS = {"PDSERVE_API_KEY": ("up", "router"), "PDSERVE_INTERNAL_TOKEN": SERVERS, "PDSERVE_TLS_CERT": SERVERS,
+          "PDSERVE_TLS_KEY": SERVERS}
+
+
+def check_guards(parser: argparse.ArgumentParser, command: str, environ: Mapping[str, str]) -> None:
+    """EnvError when a guard variable is set for a server command that has no flag to honour it: it would serve
+    without (`PDSERVE_TLS_CERT=... pdserve up` in plaintext, as `PDSERVE_API_KEY=... pdserve up` once served
+    without a key)."""
+    subs = _subparsers(parser)
+    ignored = sorted(v for v, commands in GUARDS.items()
+                     if command in commands and environ.get(v) and v not in _variables(subs[command]))
+    if ignored:
+        flags = ", ".join("--" + v[len(PREFIX):].lower().replace("_", "-") for v in ignored)
+        others = [c for c in SERVERS if set(ignored) <= _variables(subs[c])]
+        raise EnvError(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set, but `pdserve {command}` "
+                       f"has no {flags}: it would serve without {'it' if len(ignored) == 1 else 'them'}; unset "
+                       + ("it" if len(ignored) == 1 else "them")
+                       + (f", or run {', '.join(f'`pdserve {c}`' for c in others)}" if others else ""))
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
@@ -114,6 +147,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = 
         print(f"pdserve: ignoring {', '.join(unknown)}: no pdserve flag has that name", file=sys.stderr)
     # The command is the first word that is not an option (pdserve has no options before it but --help).
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command in SERVERS and "-h" not in argv and "--help" not in argv:
+        check_guards(parser, command, environ)
     applied = apply_env_defaults(parser, command, environ) if command in _subparsers(parser) else []
     args = parser.parse_args(argv)
     for d in applied:
@@ -121,10 +156,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = 
         # NOTE: argparse appends a repeated flag's values to a copy of its default, so a flag given on the command
         # line would add to the environment's list instead of replacing it. The default object itself is still
         # there only when the flag was not given.
-        if isinstance(d.value, list) and current is not d.value:
+        if d.appends and current is not d.value:
             setattr(args, d.dest, current[len(d.value):])
     return args
 
 
-__all__ = ["PREFIX", "EnvError", "EnvDefault", "variable_for", "apply_env_defaults", "known_variables",
-           "parse_args"]
+__all__ = ["PREFIX", "EnvError", "EnvDefault", "GUARDS", "variable_for", "apply_env_defaults", "known_variables",
+           "check_guards", "parse_args"]

@@ -81,11 +81,12 @@ def _share(text: str) -> float:
     return share
 
 
-GPU_SHARE_HELP = ("while prompts bound for the decode worker are still being prefilled, keep its steps' own GPU "
-                  "time (their CUDA graphs', timed with CUDA events) to at most this share of the time: after a step "
-                  "of G ms the next starts no sooner than G / SHARE ms after it. For a GPU shared with the prefill "
-                  "worker: fewer, fuller decode steps leave the prompts more of it (more output tok/s, a shorter "
-                  "TTFT, a longer inter-token latency while prompts arrive)")
+GPU_SHARE_HELP = ("for a decode worker on a GPU shared with a prefill worker: while prompts bound for it are still "
+                  "being prefilled, keep its steps' own GPU time (their CUDA graphs', timed with CUDA events) to at "
+                  "most this share of the time: after a step of G ms the next starts no sooner than G / SHARE ms "
+                  "after it. Fewer, fuller decode steps leave the prompts more of the GPU (more output tok/s, a "
+                  "shorter TTFT, a longer inter-token latency while prompts arrive). A worker on the CPU has no CUDA "
+                  "graphs and is not limited")
 
 
 def add_gpu_share_arg(g) -> None:
@@ -285,7 +286,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the gRPC, HTTP and metrics ports listen on (0.0.0.0 for all; default 127.0.0.1)")
     g.add_argument("--port", type=int, default=50051, help="client gRPC port (default 50051)")
     g.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeat)")
     g.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeat)")
@@ -479,6 +481,7 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 def generate_remote(args: argparse.Namespace, params) -> int:
     import grpc
 
+    from pdserve.serving.auth import bearer_metadata
     from pdserve.serving.rpc_convert import FINISH_FROM_PROTO, sampling_to_proto
     from pdserve.v1 import generate_pb2 as gen_pb
     from pdserve.v1 import generate_pb2_grpc as gen_grpc
@@ -491,7 +494,7 @@ def generate_remote(args: argparse.Namespace, params) -> int:
     with grpc.insecure_channel(args.target) as channel:
         stub = gen_grpc.GenerationStub(channel)
         try:
-            for msg in stub.Generate(req, timeout=args.timeout):
+            for msg in stub.Generate(req, timeout=args.timeout, metadata=bearer_metadata(args.api_key)):
                 if msg.HasField("chunk") and not args.json:
                     print(msg.chunk.text if args.prompt is not None else
                           " ".join(map(str, msg.chunk.token_ids)) + " ", end="", flush=True)

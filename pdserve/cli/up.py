@@ -35,9 +35,11 @@ def _free_port(avoid: frozenset[int] = frozenset()) -> int:
             return port
 
 
-def _wait_workers(procs: list[tuple[str, subprocess.Popen]], timeout_s: float, note_every_s: float = 10.0) -> None:
+def _wait_workers(procs: list[tuple[str, subprocess.Popen]], timeout_s: float, note_every_s: float = 10.0,
+                  stages: str = "model load, then the warm-up") -> None:
     """Until every worker ("role:host:port", process) reports SERVING, which it does once its model is loaded and
-    its warm-up has run; one line per worker when it is ready, and who is still starting every note_every_s."""
+    its warm-up has run; one line per worker when it is ready, and who is still starting every note_every_s (with
+    `stages`, what a starting worker goes through)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -69,8 +71,8 @@ def _wait_workers(procs: list[tuple[str, subprocess.Popen]], timeout_s: float, n
                 raise TimeoutError(f"workers {', '.join(n.split(':', 1)[1] for n in waiting)} not ready within "
                                    f"{timeout_s:.0f} s (--start-timeout)")
             if waiting and now >= next_note:
-                _say(f"still starting after {now - start:.0f} s: {', '.join(waiting)} (model load, CUDA graphs, "
-                     "then the warm-up: their own lines say which)")
+                _say(f"still starting after {now - start:.0f} s: {', '.join(waiting)} ({stages}: their own lines "
+                     "say which)")
                 next_note += note_every_s
             if waiting:
                 time.sleep(0.2)
@@ -85,7 +87,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              args.load_format, "--attention-backend", args.attention_backend, "--moe-backend", args.moe_backend,
              "--gemm-backend", args.gemm_backend, "--page-size", str(args.page_size), "--num-pages",
              str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len)]
+             "--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len),
+             "--tp", str(args.tp)]
     flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     if args.speculative_algorithm:  # decode rows speculate; prefill workers then compute the MTP layer's prompt KV
         flags += ["--speculative-algorithm", args.speculative_algorithm, "--speculative-num-steps",
@@ -107,7 +110,8 @@ def worker_env(args: argparse.Namespace, environ) -> dict[str, str]:
     if getattr(args, "internal_token", None):
         env["PDSERVE_INTERNAL_TOKEN"] = args.internal_token
     if args.device == "cpu" and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (args.prefill + args.decode)))
+        ranks = (args.prefill + args.decode) * getattr(args, "tp", 1)  # a tensor-parallel worker: --tp processes
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
     return env
 
 
@@ -133,12 +137,39 @@ SHARED_GPU_DECODE_SHARE = 1 / 3
 
 def decode_gpu_share(args: argparse.Namespace, layout: Optional["Placement"] = None) -> float:
     """--decode-gpu-share resolved. auto: a third where a decode worker shares its GPU with a prefill worker, else 1
-    (no limit). On the CPU the share is moot (only CUDA graph replays are timed, and a CPU engine has none)."""
+    (no limit), as on the CPU, where there is nothing to limit (only CUDA graph replays are timed)."""
     if args.decode_gpu_share != "auto":
         return args.decode_gpu_share
     if layout is None:  # without a layout: workers share --device unless nccl gave each its own GPU
         return 1.0 if args.kv_transport == "nccl" else SHARED_GPU_DECODE_SHARE
-    return SHARED_GPU_DECODE_SHARE if layout.shares_gpu or layout.decode[0] == "cpu" else 1.0
+    return SHARED_GPU_DECODE_SHARE if layout.shares_gpu else 1.0
+
+
+def resolved_device(device: str) -> str:
+    """--device auto as each worker resolves it (cuda when torch sees a GPU), so that `up` plans and reports the
+    real device. NOTE: without an NVIDIA or ROCm driver's device files no GPU can be seen, and the answer needs no
+    torch, whose import costs the router's process seconds and memory."""
+    if device != "auto":
+        return device
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")):
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_cpu_backends(args: argparse.Namespace, layout: "Placement") -> None:
+    """A kernel backend named on the command line that cannot run on the CPU: its reason (exit 2) before any worker
+    starts, instead of every worker's. On a GPU each worker checks its own (deep_gemm with a probe that takes
+    seconds, once per process)."""
+    named = {kind: name for kind, name in (("attention", args.attention_backend), ("moe", args.moe_backend),
+                                           ("gemm", args.gemm_backend)) if name != "auto"}
+    if not named or set(layout.devices) != {"cpu"}:
+        return
+    from pdserve.kernels.backends import validate_backend
+
+    for kind, name in named.items():
+        validate_backend(kind, name, "cpu")
 
 
 def _die_with_parent(parent: int) -> None:
@@ -228,9 +259,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             make_tiny_model(args.model)
     args.model = resolve_model_dir(args.model)  # before any worker starts, as are the ports
     check_up_ports(args)
+    args.device = resolved_device(args.device)
     fixed_ports = frozenset(up_ports(args).values())
     up_start = time.monotonic()
     layout = placement(args)
+    check_cpu_backends(args, layout)
     devices = list(layout.devices)
     decode_share = decode_gpu_share(args, layout)
     procs: list[tuple[str, subprocess.Popen]] = []
@@ -267,10 +300,12 @@ def cmd_up(args: argparse.Namespace) -> int:
              "model, then runs its warm-up, then reports ready ...")
         for line in layout.describe(args.kv_transport):
             _say(line)
-        if decode_share < 1 and args.device != "cpu":
+        on_gpu = any(d.startswith("cuda") for d in layout.devices)
+        if decode_share < 1 and on_gpu:
             _say(f"while prompts are being prefilled, decode steps keep to {decode_share:.2g} of the GPU's time "
                  "(--decode-gpu-share; 1 = back to back)")
-        _wait_workers(procs, args.start_timeout, note_every_s=5.0)
+        _wait_workers(procs, args.start_timeout, note_every_s=5.0,
+                      stages="model load, CUDA graphs, then the warm-up" if on_gpu else "model load, then the warm-up")
         workers_ready = time.monotonic() - up_start
         router_args = argparse.Namespace(
             host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
