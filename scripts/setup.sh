@@ -20,10 +20,13 @@ for arg in "$@"; do
 done
 say() { echo "[setup] $*" >&2; }
 # The CPU build of torch (a local wheel on our machines; pip fetches it elsewhere) before anything that needs torch,
-# so that no package pulls a multi-GB CUDA build instead.
+# so that no package pulls a multi-GB CUDA build instead. The same version as deploy/docker/Dockerfile.cpu; the GPU
+# build (torch 2.11 + CUDA 13) is the README's GPU install and Dockerfile.cuda's (tests/test_packaging.py checks).
+TORCH_CPU_VERSION=2.13.0
 if ! python3 -c "import torch" 2>/dev/null; then
-  say "installing torch (the CPU build, about 200 MB; a minute or two) ..."
-  python3 -m pip install -q "torch==2.13.0" || python3 -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+  say "installing torch $TORCH_CPU_VERSION (the CPU build, about 200 MB; a minute or two) ..."
+  python3 -m pip install -q "torch==$TORCH_CPU_VERSION" ||
+    python3 -m pip install -q "torch==$TORCH_CPU_VERSION" --index-url https://download.pytorch.org/whl/cpu
 fi
 if [ "$runtime" = 1 ]; then
   say "installing pdserve and its runtime dependencies (grpcio, tokenizers, safetensors, aiohttp, ...) ..."

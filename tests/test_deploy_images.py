@@ -82,22 +82,18 @@ def test_health_check_entrypoint_and_role_by_command(kind):
     assert pdserve_vars <= known_variables(build_parser()), pdserve_vars - known_variables(build_parser())
 
 
-def test_bases_are_official_and_torch_versions_agree():
+def test_bases_are_official():
+    """Which torch each image runs (the CPU build setup.sh installs; torch 2.11 + CUDA 13) is test_packaging's."""
     cpu, cuda = dockerfile("cpu").baseimage, dockerfile("cuda").baseimage
     assert re.fullmatch(r"python:3\.1[0-9]-slim", cpu), cpu
-    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", cuda)
-    assert match, f"{cuda}: expected an official pytorch/pytorch ...-runtime image"
-    cpu_torch = [a.split("=", 1)[1] for a in instructions("cpu", "ARG") if a.startswith("TORCH_VERSION=")]
-    assert cpu_torch == [match.group(1)], "both images must run the same torch"
-    runs = instructions("cpu", "RUN")
-    assert any("download.pytorch.org/whl/cpu" in r and "torch==${TORCH_VERSION}" in r for r in runs)
+    assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda[\d.]+-cudnn\d+-devel", cuda), cuda
 
 
 def test_cuda_image_installs_flashinfer_at_the_pinned_version():
     pin = next(r for r in pyproject()["project"]["optional-dependencies"]["gpu"] if r.startswith("flashinfer-python"))
     assert pin == "flashinfer-python==0.5.3"
     runs = " ".join(instructions("cuda", "RUN"))
-    assert f'"{pin}"' in runs and '"flashinfer-cubin==0.5.3"' in runs  # no nvcc in a runtime image: prebuilt cubins
+    assert f'"{pin}"' in runs and '"flashinfer-cubin==0.5.3"' in runs  # prebuilt: no compile at the first requests
     assert "flashinfer" not in " ".join(instructions("cpu", "RUN"))
 
 
