@@ -1,0 +1,22 @@
+"""scripts/soak.sh, short: `pdserve up` on Redis under load while an incompatible decode worker joins, malformed
+registrations and ownership entries are written and a 16M-id prompt comes in; no healthy request fails or hangs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from stack import REPO
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs Debian's redis-server")]
+
+
+def test_soak_script_passes_in_a_short_run():
+    run = subprocess.run([str(REPO / "scripts" / "soak.sh"), "30"], cwd=REPO, capture_output=True, text=True,
+                         timeout=400)
+    print(run.stdout[-3000:])
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("SOAK PASSED"), run.stdout[-6000:] + run.stderr[-3000:]
+    assert "[ok] healthy requests: 120 of 120 completed, 0 failed" in run.stdout
