@@ -18,7 +18,7 @@ from pdserve.config import ModelConfig, ParallelConfig
 from pdserve.cuda_graph import CudaGraphConfig
 from pdserve.cuda_streams import make_current
 from pdserve.kernels import KernelBackends
-from pdserve.kv_cache import CacheConfig, LatentKVPool
+from pdserve.kv_cache import CacheConfig, LatentKVPool, token_slots
 from pdserve.model_runner import ModelRunner, build_graph_runners
 from pdserve.overlap import LaunchedDecode
 from pdserve.prefix_cache import PrefixCache
@@ -210,6 +210,8 @@ class LLMEngine:
         elif hidden is not None and tuple(hidden.shape) != (self.model_config.hidden_size,):
             raise ValueError(f"hidden has shape {tuple(hidden.shape)}; this model expects "
                              f"({self.model_config.hidden_size},)")
+        if self.runner.driver is not None:  # under TP every rank attends over its own copy of the prompt's KV
+            self.runner.driver.share_kv(self.pool.kv, token_slots(pages, len(prompt_ids), self.pool.page_size))
         req = Request(request_id, list(prompt_ids), params, arrival_time=arrival_time or time.monotonic(),
                       generator=make_generator(params.seed, self.config.device), pages=list(pages),
                       num_computed_tokens=len(prompt_ids), num_cached_tokens=cached_tokens)

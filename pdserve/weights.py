@@ -104,6 +104,17 @@ def checkpoint_names(model: DeepseekV3, fused_experts: bool = False) -> dict[str
     return names
 
 
+def single_process_shapes(model: DeepseekV3) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every parameter as a single process holds it: a tensor-parallel rank's shard counted
+    whole, so that ranks and workers of any split describe the same model alike."""
+    for module_name, module in model.named_modules():
+        shard = getattr(module, "shard", None)
+        for name, p in module.named_parameters(recurse=False):
+            part = shard(name, p.data) if shard is not None else None
+            shape = tuple(p.shape) if part is None else part.full_shape(tuple(p.shape))
+            yield f"{module_name}.{name}" if module_name else name, shape, p.dtype
+
+
 def tensor_view(model: DeepseekV3, target: Target) -> torch.Tensor:
     """The part of the model's parameter a checkpoint tensor fills (a view: writes go into the model)."""
     t = model.get_parameter(target.param) if not target.param.endswith("bias") else model.get_buffer(target.param)

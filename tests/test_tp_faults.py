@@ -77,7 +77,8 @@ def test_rank_1_ends_when_rank_0_is_killed(tmp_path):
      "--tp 3 does not divide num_attention_heads=4 of tiny-trained"),
     (["generate", "--tp", "0", "--input-ids", "1,2", "--device", "cpu"],
      "--tp 0: the tensor-parallel size must be at least 1"),
-    (["decode", "--tp", "2", "--device", "cpu"], "--tp 2: tensor parallelism runs in `pdserve generate` only"),
+    (["decode", "--tp", "3", "--device", "cpu", "--port", "0", "--metrics-port", "0"],
+     "--tp 3 does not divide num_attention_heads=4 of tiny-trained"),
 ])
 def test_tp_user_errors_are_one_line(argv, message, capsys):
     assert cli.main(argv) == 2

@@ -76,8 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: the model split over N ranks, one process each (GPUs --device and the "
-                        "N-1 after it: cuda:0..N-1 by default); rank 0 schedules and samples (default 1; generate "
-                        "only)")
+                        "N-1 after it: cuda:0..N-1 by default); rank 0 schedules, samples and, in a worker, serves "
+                        "and moves KV (default 1)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the configured shapes, no files needed")
     g.add_argument("--attention-backend", default="auto", choices=LazyChoices(attention_backend_names),
@@ -129,9 +129,6 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
 
     args.model = resolve_model_dir(args.model)
     tp = getattr(args, "tp", 1)
-    if tp != 1 and getattr(args, "command", "generate") != "generate":
-        raise UsageError(f"--tp {tp}: tensor parallelism runs in `pdserve generate` only; "
-                         f"`pdserve {args.command}` runs at --tp 1")
     device = args.device
     if device == "auto":
         import torch

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.forward_batch import ForwardBatch
 from pdserve.parallel.ranks import Ranks
-from pdserve.parallel.steps import ForwardCall, ReplayCall, send_batch, send_graph_inputs
+from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, send_batch, send_graph_inputs, send_kv
 
 
 class Driver:
@@ -42,6 +42,13 @@ class Driver:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
+
+    def share_kv(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Latent KV that reached rank 0's pool `kv` from elsewhere (a transfer), at `slots` of every layer, into the
+        other ranks' pools: under TP each rank attends over its own copy."""
+        with self.ranks.guard():
+            self.ranks.announce(KVCall(len(slots)))
+            send_kv(self.ranks.group, kv, slots.to(kv.device))
 
     def replay_patch(self, graphs, rows: int, width: int, chain: bool,
                      patch: Optional[Callable[[torch.Tensor], None]]) -> Callable[[torch.Tensor], None]:

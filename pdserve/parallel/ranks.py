@@ -84,6 +84,15 @@ class Ranks:
         self._ranks: list[_Rank] = []
         store = store_for(0, self.size, 0, START_TIMEOUT_S)
         atexit.register(self.close)
+        try:
+            self._start(engine, model_config, device, max_model_len, store)
+        except BaseException:
+            self.close()
+            raise
+        self._store = store
+
+    def _start(self, engine: Any, model_config: ModelConfig, device: str, max_model_len: int, store: Any) -> None:
+        parallel = engine.parallel
         for rank in range(1, self.size):
             rank_engine = dataclasses.replace(engine, device=rank_device(device, rank),
                                               parallel=dataclasses.replace(parallel, rank=rank))
@@ -96,10 +105,10 @@ class Ranks:
             ours.send_bytes(pickle.dumps(RankSetup(rank_engine, model_config, max_model_len, store.port,
                                                    os.getpid())))
             threading.Thread(target=self._watch, args=(r,), name=f"tp-rank{rank}-watcher", daemon=True).start()
-            progress(f"tensor-parallel rank {rank} of {self.size} started (pid {process.pid}, {rank_engine.device})")
+            self.progress(f"tensor-parallel rank {rank} of {self.size} started (pid {process.pid}, "
+                          f"{rank_engine.device})")
         with self.guard():
             self.group: TPGroup = connect(store, 0, self.size, device, parallel.collective_timeout_s)
-        self._store = store
 
     # ---- failures ----------------------------------------------------------------------------------------------
     def _watch(self, r: _Rank) -> None:

@@ -1,5 +1,6 @@
 """What rank 0 hands the other ranks of a tensor-parallel worker, once per model call: a small header through
-each rank's pipe (which call, and the batch's host-side shape) and the batch's tensors through one broadcast.
+each rank's pipe (which call, and the batch's host-side shape) and the batch's tensors through one broadcast. Also
+latent KV that reached rank 0's pool from elsewhere (a decode worker's transfers): under TP every rank holds it.
 
 Only inputs travel, never a decision a rank could take differently: token ids (after any device-side patch:
 overlap scheduling's and speculation's tokens exist on rank 0's device only), positions, KV slots, page tables,
@@ -55,6 +56,27 @@ class ReplayCall:
     width: int
 
 
+@dataclass(frozen=True)
+class KVCall:
+    """Latent KV rows rank 0's pool received from outside the model (a prefill worker's transfer): `num_slots`
+    slots of every layer. The slots (int64) follow as one broadcast, then the rows (layers, num_slots, kv_dim)."""
+
+    num_slots: int
+
+
+def send_kv(tp: TPGroup, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rank 0: the rows of `slots` (on kv's device) in every layer of its pool `kv` (layers, num_slots, kv_dim)."""
+    tp.broadcast(slots)
+    tp.broadcast(kv.index_select(1, slots))  # (layers, n, kv_dim)
+
+
+def receive_kv(tp: TPGroup, call: KVCall, kv: torch.Tensor) -> None:
+    """Ranks 1..: rank 0's rows into the same slots of this rank's pool."""
+    slots = tp.broadcast(torch.empty(call.num_slots, dtype=torch.long, device=kv.device))
+    rows = tp.broadcast(torch.empty(kv.shape[0], call.num_slots, kv.shape[2], dtype=kv.dtype, device=kv.device))
+    kv.index_copy_(1, slots, rows)
+
+
 def send_batch(tp: TPGroup, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor]) -> None:
     """Rank 0: the tensors of a ForwardCall's batch."""
     parts = [batch.input_ids, batch.positions, batch.out_slots]
@@ -104,4 +126,5 @@ def receive_graph_inputs(tp: TPGroup, call: ReplayCall, graph) -> None:
         tp.broadcast(graph.prev_hidden)
 
 
-__all__ = ["ForwardCall", "ReplayCall", "send_batch", "receive_batch", "send_graph_inputs", "receive_graph_inputs"]
+__all__ = ["ForwardCall", "ReplayCall", "KVCall", "send_batch", "receive_batch", "send_graph_inputs",
+           "receive_graph_inputs", "send_kv", "receive_kv"]

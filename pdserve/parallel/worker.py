@@ -25,7 +25,7 @@ from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import LatentKVPool
 from pdserve.model_runner import build_graph_runners
 from pdserve.parallel.group import connect, store_for
-from pdserve.parallel.steps import ForwardCall, ReplayCall, receive_batch, receive_graph_inputs
+from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, receive_batch, receive_graph_inputs, receive_kv
 from pdserve.weights import load_model, resolve_dtype
 
 PARENT_POLL_S = 0.5
@@ -48,7 +48,8 @@ class RankLoop:
         config, cfg = setup.engine, setup.model_config
         parallel = config.parallel
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":  # the ranks share the machine's cores (oversubscribed, each waits on the others)
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # the ranks share the machine's cores (oversubscribed, each would wait on the others)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.tp_size))
         make_current(self.device)
         store = store_for(parallel.rank, parallel.tp_size, setup.store_port, parallel.collective_timeout_s)
@@ -71,6 +72,8 @@ class RankLoop:
                 return
             if isinstance(call, ReplayCall):
                 self._replay(call)
+            elif isinstance(call, KVCall):
+                receive_kv(self.tp, call, self.pool.kv)
             else:
                 self._forward(call)
 

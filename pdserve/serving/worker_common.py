@@ -15,6 +15,7 @@ from typing import Any, Callable
 from pdserve.engine import LLMEngine
 from pdserve.common.values import KVLayout
 from pdserve.serving.metrics import Metrics
+from pdserve.weights import single_process_shapes
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,13 @@ def new_worker_id(role: str) -> str:
 
 def model_fingerprint(engine: LLMEngine) -> str:
     """Equal for two workers that run the same checkpoint: config.json plus every parameter's name, shape, dtype
-    (and the random seed for dummy weights)."""
+    (and the random seed for dummy weights). Shapes as one process holds them: a tensor-parallel worker runs the
+    same model as a single-process one, and their KV is alike."""
     h = hashlib.sha256()
     h.update(json.dumps(engine.model_config.extra, sort_keys=True, default=str).encode())
     h.update(engine.config.load_format.encode())
-    for name, p in engine.model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    for name, shape, dtype in single_process_shapes(engine.model):
+        h.update(f"{name}:{shape}:{dtype}".encode())
     return h.hexdigest()[:32]
 
 
