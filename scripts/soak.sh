@@ -108,19 +108,9 @@ import time
 
 import grpc
 
+from pdserve.v1 import generate_pb2 as gen_pb
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-n = 16_000_000
-ids = b"\x0a" + varint(n) + b"\x05" * n  # TokenizedInput.input_ids, packed, one byte an id
-raw = b"\x1a" + varint(len(ids)) + ids  # GenerateRequest.tokenized
+raw = gen_pb.GenerateRequest(tokenized=gen_pb.TokenizedInput(input_ids=[5] * 16_000_000)).SerializeToString()
 with grpc.insecure_channel(sys.argv[1], options=[("grpc.max_send_message_length", 32 << 20)]) as ch:
     t0 = time.monotonic()
     try:
