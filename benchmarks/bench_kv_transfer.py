@@ -157,7 +157,7 @@ def decode_main(args) -> None:
             say("plain-bytes", plain_group(args, 0, device))
             continue
         elif cmd[0] == "stats":
-            pairs = [c.pair.comm_bytes for c in list(receiver._conns) if getattr(c, "pair", None) is not None]
+            pairs = [c.link.comm_bytes for c in list(receiver._conns) if getattr(c.link, "comm_bytes", None) is not None]
             say("stats", json.dumps({"pair_comm_bytes": pairs, "mem_get_info_bytes": before - free_bytes(device)}))
             continue
         elif cmd[0] == "quit":
@@ -285,7 +285,7 @@ def prefill_main(args) -> None:
         result["transport"] = conn.transport  # what the pairing chose (auto / cuda_ipc: cuda_ipc or tcp)
         stats = json.loads(child.send("stats", answer="stats").split(maxsplit=1)[1])
         result["memory"] = {"prefill_ours_mem_get_info_bytes": before - free_bytes(device),
-                            "prefill_ours_pair_bytes": getattr(getattr(conn, "pair", None), "comm_bytes", 0),
+                            "prefill_ours_pair_bytes": getattr(getattr(conn.plane, "pair", None), "comm_bytes", 0),
                             "decode_ours_pair_bytes": stats["pair_comm_bytes"],
                             "decode_ours_mem_get_info_bytes": stats["mem_get_info_bytes"]}
         decode_device = torch.device(args.decode_device)

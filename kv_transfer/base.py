@@ -9,7 +9,8 @@ Every failure surfaces as a `KVTransferError` with a `kind`, on both sides, inst
 layout is refused at the handshake, a dead peer fails its rooms promptly, and every room has a deadline.
 Transports register a `Transport(sender, receiver, devices)` entry in `TRANSPORTS`: "tcp" (rows through sockets),
 "nccl" and "gloo" (rows through a torch.distributed process group per prefill/decode pair, straight into the decode
-pool's pages; see `collective.py`).
+pool's pages; see `collective.py`), "cuda_ipc" and "auto" (`cuda_ipc.py`). Each is the control channel every
+transport shares with a data plane of its own (`plane.py`).
 """
 
 from __future__ import annotations
@@ -128,10 +129,11 @@ def gather_rows(source: torch.Tensor, slots: torch.Tensor | None, device: torch.
 def gather_layers(source: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
     """A new contiguous `(num_layers, num_tokens, kv_dim)` tensor on the source's device: `source[:, slots]` for a
     run of the pool's layers `(num_layers, num_slots, kv_dim)` (or a copy of the rows themselves without slots),
-    one gather for every layer, queued on the current stream."""
+    one gather for every layer, queued on the current stream. One layer `(num_slots, kv_dim)` gives its
+    `(num_tokens, kv_dim)` rows."""
     if slots is None:
         return source.detach().to(source.device, copy=True, memory_format=torch.contiguous_format)
-    return source.detach().index_select(1, slots.to(source.device))
+    return source.detach().index_select(-2, slots.to(source.device))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The collective KV transports: "nccl" (CUDA pools) and "gloo" (CPU pools, the same code; what the CPU tests and
-CI run end to end). The rows move over a torch.distributed process group built per prefill/decode pair; the TCP
-transport's control connection stays for the handshake, room announcements, the aux record, completion, aborts
-and deadlines.
+CI run end to end). The rows move over a torch.distributed process group built per prefill/decode pair (the data
+planes of `collective_sender.py` and `collective_receiver.py`); the control channel every transport shares carries
+the handshake, room announcements, the aux record, completion, aborts and deadlines.
 
 Why torch.distributed: it ships with torch on every machine pdserve runs on (nccl4py and CuPy do not), and its
 ProcessGroupNCCL brings NCCL's communicator setup, streams and abort.
@@ -9,10 +9,9 @@ ProcessGroupNCCL brings NCCL's communicator setup, streams and abort.
 - Binding: the decode receiver hosts a TCPStore; HELLO_OK tells the sender its address and a fresh group name; both
   build `ProcessGroup{Gloo,NCCL}(PrefixStore(name, store), rank, 2)` (decode 0, prefill 1) and exchange one
   element, so the communicator exists before the first room (`collective_pair.py`).
-- Destination runs: the prefill worker knows the reserved pages (the router passes them, `begin(dst_pages=...)`),
-  so it splits each layer's token-ordered rows by their contiguous runs (`page_runs`) and lists the run lengths in
-  the LAYER announcement; the receiver checks them against its own reservation and posts one receive per run into
-  the pool (`collective_sender.py`, `collective_receiver.py`).
+- Destination pages: the prefill worker knows the reserved pages (the router passes them, `begin(dst_pages=...)`);
+  a layer's rows, or a run of layers', cross as one contiguous block per LAYER announcement, which the receiver
+  checks against its own reservation and scatters into the pages (`pages.py`).
 - Ordering: announcement k and its sends leave from one writer thread; the receiver posts its receives while
   reading announcement k on the connection's one reader thread. Both op streams follow the control stream.
 - Teardown: a dead peer, a failed op, a protocol error, or a room whose receives are stuck tears the pair down
@@ -30,27 +29,31 @@ GPU; the pair logs what its communicator took when it is built).
 from __future__ import annotations
 
 from .base import TRANSPORTS, Transport
-from .collective_receiver import CollectiveKVReceiver
-from .collective_sender import CollectiveKVSender, CollectiveSendHandle
+from .collective_receiver import CollectiveReceivePlane
+from .collective_sender import CollectivePairing, CollectiveSendPlane
+from .control_receiver import KVReceiverChannel
+from .control_sender import KVSenderChannel
 
 
-class GlooKVSender(CollectiveKVSender):
-    transport = "gloo"
+# The receivers need `kv_buffer` (the decode pool: on the CPU for gloo, a GPU for nccl); `begin` needs `dst_pages`.
+class GlooKVSender(KVSenderChannel):
+    transport, pairing_cls = "gloo", CollectivePairing
 
 
-class GlooKVReceiver(CollectiveKVReceiver):
-    transport = "gloo"
+class GlooKVReceiver(KVReceiverChannel):
+    transport, plane_cls = "gloo", CollectiveReceivePlane
 
 
-class NcclKVSender(CollectiveKVSender):
-    transport = "nccl"
+class NcclKVSender(KVSenderChannel):
+    transport, pairing_cls = "nccl", CollectivePairing
 
 
-class NcclKVReceiver(CollectiveKVReceiver):
-    transport = "nccl"
+class NcclKVReceiver(KVReceiverChannel):
+    transport, plane_cls = "nccl", CollectiveReceivePlane
 
 
 TRANSPORTS.register("gloo")(Transport(sender=GlooKVSender, receiver=GlooKVReceiver, devices=("cpu",)))
 TRANSPORTS.register("nccl")(Transport(sender=NcclKVSender, receiver=NcclKVReceiver, devices=("cuda",)))
 
-__all__ = ["CollectiveSendHandle", "GlooKVReceiver", "GlooKVSender", "NcclKVReceiver", "NcclKVSender"]
+__all__ = ["CollectivePairing", "CollectiveReceivePlane", "CollectiveSendPlane", "GlooKVReceiver", "GlooKVSender",
+           "NcclKVReceiver", "NcclKVSender"]

@@ -1,5 +1,6 @@
 """The same-node KV transports: "cuda_ipc" (the prefill worker writes straight into the decode worker's pages
 through a CUDA IPC mapping of its pool) and "auto" (the handshake picks cuda_ipc where it can work, tcp otherwise).
+Their data planes are `cuda_ipc_sender.py` and `cuda_ipc_receiver.py` (tcp's where the handshake picks tcp).
 
 Pairing. The sender's HELLO carries its facts (`local_facts`: host boot id, the GPU its rows live on, the GPUs that
 one can reach peer to peer). After the `--internal-token` and layout checks the decode receiver decides with
@@ -30,12 +31,33 @@ access (`torch.cuda.can_device_access_peer` false) `auto` pairs over tcp and log
 from __future__ import annotations
 
 from .base import TRANSPORTS, Transport
-from .cuda_ipc_pairing import Facts, IpcBackend, choose_transport
-from .cuda_ipc_receiver import AutoKVReceiver, CudaIpcKVReceiver
-from .cuda_ipc_sender import AutoKVSender, CudaIpcKVSender, IpcSendHandle
+from .control_receiver import KVReceiverChannel
+from .control_sender import KVSenderChannel
+from .cuda_ipc_pairing import AUTO, IPC, Facts, IpcBackend, choose_transport
+from .cuda_ipc_receiver import IpcReceivePlane
+from .cuda_ipc_sender import IpcPairing, IpcSendPlane
+
+
+# `ipc=` (both sides): the GPU facts and calls (`IpcBackend`; the CPU tests pass fakes). The receivers need
+# `kv_buffer`; a sender on a cuda_ipc pairing needs `dst_pages` in `begin`.
+class CudaIpcKVSender(KVSenderChannel):
+    transport, pairing_cls = IPC, IpcPairing
+
+
+class AutoKVSender(KVSenderChannel):
+    transport, pairing_cls = AUTO, IpcPairing
+
+
+class CudaIpcKVReceiver(KVReceiverChannel):
+    transport, plane_cls = IPC, IpcReceivePlane
+
+
+class AutoKVReceiver(KVReceiverChannel):
+    transport, plane_cls = AUTO, IpcReceivePlane
+
 
 TRANSPORTS.register("cuda_ipc")(Transport(sender=CudaIpcKVSender, receiver=CudaIpcKVReceiver, devices=("cuda",)))
 TRANSPORTS.register("auto")(Transport(sender=AutoKVSender, receiver=AutoKVReceiver))
 
 __all__ = ["AutoKVReceiver", "AutoKVSender", "CudaIpcKVReceiver", "CudaIpcKVSender", "Facts", "IpcBackend",
-           "IpcSendHandle", "choose_transport"]
+           "IpcPairing", "IpcReceivePlane", "IpcSendPlane", "choose_transport"]

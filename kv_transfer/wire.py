@@ -7,8 +7,9 @@
 Frame kinds, sender -> receiver: HELLO {layout, version, token}; LAYER {room, layer, num_tokens, crc32} + rows;
 AUX {room, fields, hidden_dtype, hidden_shape, hidden_nbytes, rng_nbytes, crc32} + hidden bytes + rng blob;
 ABORT {room}. Receiver -> sender: HELLO_OK; HELLO_ERROR {message, error_kind}; ROOM_DONE {room};
-ROOM_FAILED {room, error_kind, message}. (The cuda_ipc pairing adds BEGIN/GRANT, and its LAYER frames carry no
-rows and may name several layers: `cuda_ipc_receiver.py`.)
+ROOM_FAILED {room, error_kind, message}. The data planes other than tcp send LAYER frames without rows that may name
+several layers ({room, layers, num_tokens}); cuda_ipc adds BEGIN {room, num_layers, pages} and its answer GRANT
+{room, num_tokens} (`cuda_ipc_receiver.py`).
 
 `crc32` (zlib.crc32 of the frame's payload) is optional on the wire and sent by default: TCP's own 16-bit checksum
 lets rare corruption through, and a corrupted KV row would silently produce wrong tokens, so the receiver fails the
@@ -35,6 +36,7 @@ MAX_PAYLOAD_BYTES = 1 << 40
 HELLO, HELLO_OK, HELLO_ERROR = "HELLO", "HELLO_OK", "HELLO_ERROR"
 LAYER, AUX, ABORT = "LAYER", "AUX", "ABORT"
 ROOM_DONE, ROOM_FAILED = "ROOM_DONE", "ROOM_FAILED"
+BEGIN, GRANT = "BEGIN", "GRANT"
 
 # Dead-peer detection for peers that vanish without closing the socket (power loss, partition), in the spirit
 # of SGLang's 5 s heartbeat with 2 misses. A killed process is noticed at once: its kernel closes the socket.

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import CudaIpcKVSender, KVLayout, KVTransferError, token_slots
-from stack import Stack, start, start_all
+from stack import Stack, metric, start, start_all
 from test_kv_transfer_collective import Decode, read_line, wait_until
 from golden import check_against_reference
 
@@ -71,9 +71,9 @@ for line in sys.stdin:
             print("done", room, h.transport, flush=True)
         except KVTransferError as e:
             print("failed", room, e.kind, flush=True)
-    elif cmd["op"] == "stall":  # fault: copies of this room from now on never complete
+    elif cmd["op"] == "stall":  # fault: copies on this pairing (its one room) from now on never complete
         h, _ = handles[room]
-        h._write = lambda *a: time.sleep(3600)
+        h._conn.plane._write = lambda *a: time.sleep(3600)
     elif cmd["op"] == "abort":
         handles[room][0].abort()
     elif cmd["op"] == "repair":  # a new sender: a new connection, a new mapping of the decode pool
@@ -166,7 +166,7 @@ def test_decode_cancel_mid_transfer(cleanup, prefill):
     decode = ipc_decode(cleanup)
     pages = decode.reserve(3, 40)
     prefill.send_room(decode.receiver.endpoint, 3, pages, 40, layers=[0])
-    wait_until(lambda: 3 in decode.receiver._rooms and decode.receiver._rooms[3].granted)
+    wait_until(lambda: 3 in decode.receiver.rooms and decode.receiver.rooms[3].granted)
     assert decode.cancel(3) is False, "granted: the pages go once the sender released them"
     decode.rec.wait_for(lambda: decode.rec.failed, timeout=10)
     assert decode.rec.failed[0][1].kind == "aborted" and decode.idle
@@ -201,7 +201,7 @@ def test_prefill_killed_mid_transfer(cleanup, prefill):
     decode = ipc_decode(cleanup)
     pages = decode.reserve(21, 40)
     prefill.send_room(decode.receiver.endpoint, 21, pages, 40, layers=[0])
-    wait_until(lambda: 21 in decode.receiver._rooms and decode.receiver._rooms[21].granted)
+    wait_until(lambda: 21 in decode.receiver.rooms and decode.receiver.rooms[21].granted)
     prefill.do("stall", 21)
     prefill.ask("layer", 21, layer=1)  # its writer thread is now stuck inside the room's copy
     time.sleep(0.2)
@@ -253,7 +253,7 @@ def test_decode_killed_mid_transfer(cleanup):
         cleanup(s)
         h = s.begin(endpoint, 31, LAYERS, dst_pages=[3, 4, 9])
         h.send_layer(0, rows_for(31, 0, 40).to(DEVICE))
-        wait_until(lambda: h._granted.is_set(), timeout=10)
+        wait_until(lambda: h.plane_state.granted.is_set(), timeout=10)
         procs[0].send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
         h.send_layer(1, rows_for(31, 1, 40).to(DEVICE))  # never raises, never hangs
@@ -261,7 +261,7 @@ def test_decode_killed_mid_transfer(cleanup):
             h.wait(timeout=30)
         assert err.value.kind == "peer_failed" and time.monotonic() - t_kill < 5.0
         conn = next(iter(s._conns.values()))
-        wait_until(lambda: conn.remote is None, timeout=5)  # the mapping was dropped once its copies finished
+        wait_until(lambda: conn.plane.remote is None, timeout=5)  # the mapping was dropped once its copies finished
         torch.cuda.synchronize()  # this process's context is healthy
         procs.append(start_decode(32))
         read_line(procs[1], "ready", 60.0)
@@ -330,10 +330,7 @@ def test_outputs_match_the_single_process_engine(model, tmp_path, request):
     stack = Stack([prefill_proc], [decode_proc], router)
     try:
         check_against_reference(router.address, reference)
-        import urllib.request
-
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{prefill_proc.metrics_port}/metrics").read().decode()
-        assert 'pdserve_kv_transfer_bytes_total{role="prefill",transport="cuda_ipc"}' in metrics, metrics[-2000:]
+        assert metric(prefill_proc.metrics_port, "pdserve_kv_transfer_bytes_total", transport="cuda_ipc") > 0
         assert "over cuda_ipc (same GPU)" in prefill_proc.log_path.read_text()
     finally:
         stack.stop()

@@ -69,7 +69,7 @@ for line in sys.stdin:
             print("failed", room, e.kind, flush=True)
     elif cmd["op"] == "stall":  # fault: what is announced from now on is never sent
         h, _ = handles[room]
-        h._conn.pair.post = lambda *args, **kw: None
+        h._conn.plane.pair.post = lambda *args, **kw: None
     print("ok", cmd["op"], room, flush=True)
 """
 
@@ -179,7 +179,7 @@ def test_prefill_killed_mid_transfer(cleanup, prefill):
     decode.rec.wait_for(lambda: decode.rec.layers, timeout=10)
     prefill.do("stall", 21)
     prefill.do("layer", 21, layer=1)  # announced, never sent: a receive stays in flight in the pages
-    wait_until(lambda: decode.receiver._rooms[21].inflight == 1)
+    wait_until(lambda: decode.receiver.rooms[21].inflight == 1)
     prefill.proc.send_signal(signal.SIGKILL)
     t_kill = time.monotonic()
     decode.rec.wait_for(lambda: decode.rec.failed, timeout=10)

@@ -18,7 +18,8 @@ import torch
 
 from pdserve.kv_cache import CacheConfig, LatentKVPool
 from pdserve.kv_transfer import (
-    TRANSPORTS, GlooKVReceiver, GlooKVSender, KVTransferError, TcpKVReceiver, TcpKVSender, TransferState, token_slots,
+    TRANSPORTS, GlooKVReceiver, GlooKVSender, KVReceiverChannel, KVSenderChannel, KVTransferError, TransferState,
+    token_slots,
 )
 
 from stack import free_port
@@ -148,7 +149,7 @@ def test_different_transports_are_refused_at_the_handshake(cleanup, prefill, dec
         s.begin(receiver.endpoint, 5, LAYERS, dst_pages=[0])
     assert err.value.kind == "incompatible" and time.monotonic() - t0 < 2.0
     assert f"prefill {prefill!r} vs decode {decode!r}" in str(err.value)
-    assert isinstance(receiver, TcpKVReceiver) and isinstance(s, TcpKVSender)  # the same control channel
+    assert isinstance(receiver, KVReceiverChannel) and isinstance(s, KVSenderChannel)  # the same control channel
 
 
 def test_timeout_frees_the_pages_and_the_pair_carries_on(cleanup):
@@ -224,9 +225,9 @@ def test_stuck_receives_hold_the_pages_until_the_pair_is_torn_down_and_rebuilt(c
     h.send_layer(0, torch.ones(6, KV_DIM))
     decode.rec.wait_for(lambda: decode.rec.layers)
     conn = s._conns[decode.receiver.endpoint]
-    conn.pair.post = lambda *args, **kw: None  # fault: layer 1 is announced but its sends never posted
+    conn.plane.pair.post = lambda *args, **kw: None  # fault: layer 1 is announced but its sends never posted
     h.send_layer(1, torch.ones(6, KV_DIM))
-    wait_until(lambda: decode.receiver._rooms[5].inflight == 1)
+    wait_until(lambda: decode.receiver.rooms[5].inflight == 1)
     t0 = time.monotonic()
     assert decode.cancel(5) is False, "a receive is landing in the pages: they are not free yet"
     assert not decode.idle
@@ -248,7 +249,7 @@ layout, pages, n = KVLayout(**json.loads(sys.argv[1])), json.loads(sys.argv[4]),
 handle = GlooKVSender(layout).begin(sys.argv[2], int(sys.argv[3]), layout.num_kv_layers, dst_pages=pages)
 handle.send_layer(0, torch.ones(n, layout.kv_dim))
 sys.stdin.readline()
-handle._conn.pair.post = lambda *args, **kw: None  # layer 1 is announced, its sends never leave: in flight
+handle._conn.plane.pair.post = lambda *args, **kw: None  # layer 1 is announced, its sends never leave: in flight
 handle.send_layer(1, torch.ones(n, layout.kv_dim))
 time.sleep(60)
 """
@@ -264,7 +265,7 @@ def test_prefill_killed_mid_transfer(cleanup):
         decode.rec.wait_for(lambda: decode.rec.layers, timeout=20.0)  # the child imports torch first
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        wait_until(lambda: decode.receiver._rooms[21].inflight == 1)
+        wait_until(lambda: decode.receiver.rooms[21].inflight == 1)
         proc.send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
         decode.rec.wait_for(lambda: decode.rec.failed, timeout=3.0)

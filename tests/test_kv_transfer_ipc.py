@@ -268,7 +268,7 @@ def test_a_room_opened_without_connecting_is_announced_and_lands_like_any_other(
     send(s, decode, 41)[0].wait(timeout=5)  # pairs
     pages = decode.reserve(42, TOKENS)
     h = s.begin_if_paired(decode.receiver.endpoint, 42, LAYERS, dst_pages=pages)
-    assert h is not None and h._granted.wait(5)  # BEGIN went without a row sent: the decode worker granted it
+    assert h is not None and h.plane_state.granted.wait(5)  # BEGIN went without a row sent: the decode worker granted it
     for layer in range(LAYERS):
         h.send_layer(layer, rows_of(42)[layer])
     h.finish(AUX)
@@ -312,8 +312,8 @@ def test_a_bad_announcement_of_several_layers_fails_only_its_room(cleanup, layer
     decode = ipc_decode(cleanup)
     s = ipc_sender(cleanup)
     h, _ = send(s, decode, 8, layers=[], finish=False)
-    assert h._granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
-    h._conn.queue.put((h, "LAYER", h._conn._frame(h, "LAYER", {"layers": layers, "num_tokens": TOKENS}), None))
+    assert h.plane_state.granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
+    h._conn.queue.put((h, "LAYER", h._conn.frame(h, "LAYER", {"layers": layers, "num_tokens": TOKENS}), None))
     with pytest.raises(KVTransferError) as err:
         h.wait(timeout=5)
     assert err.value.kind == "protocol" and "bad LAYER announcement" in str(err.value)
@@ -407,7 +407,7 @@ def test_decode_cancel_of_a_granted_room_waits_for_the_senders_release(cleanup):
     decode = ipc_decode(cleanup)
     s = ipc_sender(cleanup)
     h, pages = send(s, decode, 11, layers=[0], finish=False)
-    assert h._granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
+    assert h.plane_state.granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
     assert decode.cancel(11) is False, "the sender may be writing: the pages are freed on on_failed"
     decode.rec.wait_for(lambda: decode.rec.failed)  # after the sender's ABORT (its copies completed)
     assert decode.rec.failed[0][1].kind == "aborted" and decode.idle
@@ -445,7 +445,7 @@ def test_a_sender_that_never_releases_loses_its_pairing(cleanup):
     decode = ipc_decode(cleanup, drain_timeout_s=0.3)
     s = ipc_sender(cleanup)
     h, _ = send(s, decode, 31, layers=[0], finish=False)
-    assert h._granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
+    assert h.plane_state.granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
     h._fail = lambda *a: False  # fault: the sender ignores ROOM_FAILED and never answers ABORT
     assert decode.cancel(31) is False
     decode.rec.wait_for(lambda: decode.rec.failed, timeout=5)  # released when the pairing was closed
@@ -459,7 +459,7 @@ def test_closing_the_receiver_releases_rooms_still_draining(cleanup):
     decode = ipc_decode(cleanup, drain_timeout_s=60)
     s = ipc_sender(cleanup)
     h, _ = send(s, decode, 41, layers=[0], finish=False)
-    assert h._granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
+    assert h.plane_state.granted.wait(5)  # (the decode worker granted the room before it answered GRANT)
     h._fail = lambda *a: False  # the sender never releases the room
     assert decode.cancel(41) is False
     decode.receiver.close()
@@ -485,11 +485,11 @@ def test_workers_log_and_label_the_transport_their_pairing_chose(tiny_v3_dir, tm
         assert "paired with prefill" in decode_log and why in decode_log, decode_log[-2000:]
         # Two transfers: the router's warm-up request through the pair (router/warm_pairs.py), then ours; the
         # prefill worker counts a transfer once the decode worker confirmed it, which may come after the tokens.
-        done = 'pdserve_kv_transfer_seconds_count{role="prefill",transport="tcp"} 2.0'
+        done = 'pdserve_kv_transfer_seconds_count{model_name="tiny-v3",role="prefill",transport="tcp"} 2.0'
         deadline = time.monotonic() + 10
         while done not in (metrics := scrape(stack.prefill[0])) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert 'pdserve_kv_transfer_bytes_total{role="prefill",transport="tcp"}' in metrics
+        assert 'pdserve_kv_transfer_bytes_total{model_name="tiny-v3",role="prefill",transport="tcp"}' in metrics
         assert done in metrics
     finally:
         stack.stop()

@@ -199,7 +199,7 @@ def test_corrupted_layer_fails_the_room_with_a_checksum_error(receiver):
 
 
 def test_checksums_are_sent_by_default_and_verified(receiver, monkeypatch):
-    from pdserve.kv_transfer import tcp_sender
+    from pdserve.kv_transfer import control_sender
 
     sent = []
 
@@ -207,7 +207,7 @@ def test_checksums_are_sent_by_default_and_verified(receiver, monkeypatch):
         sent.append(header)
         return wire.encode_frame(header, *payload)
 
-    monkeypatch.setattr(tcp_sender, "encode_frame", spy)
+    monkeypatch.setattr(control_sender, "encode_frame", spy)
     r, rec = receiver
     sender, h, rows = send_good_room(r, 6, 3, [2])
     for layer in range(LAYERS):
@@ -267,7 +267,7 @@ def test_a_hello_header_larger_than_a_hello_is_refused_before_allocation(receive
 def test_handshakes_pending_from_one_host_are_bounded_and_a_real_sender_pairs_after():
     """Connections that never say HELLO: at most MAX_HANDSHAKES_PER_HOST hold a thread, the rest are closed at once;
     once the idle ones reach their deadline a real sender pairs and its room completes."""
-    from pdserve.kv_transfer.tcp_receiver import MAX_HANDSHAKES_PER_HOST
+    from pdserve.kv_transfer.control_receiver import MAX_HANDSHAKES_PER_HOST
 
     rec = Recorder()
     r = TcpKVReceiver(LAYOUT, on_layer=rec.on_layer, on_done=rec.on_done, on_failed=rec.on_failed, token=TOKEN,

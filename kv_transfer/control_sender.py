@@ -1,8 +1,9 @@
-"""Prefill side of the TCP KV transport: one connection per decode endpoint, shared by all rooms sent there.
+"""Prefill side of the control channel every KV transport shares: one connection per decode endpoint, shared by all
+rooms sent there, and what a room's rows become on the way is the pairing's data plane (`plane.py`).
 
-Threads per connection (daemons): a writer that drains the connection's frame queue (so `send_layer` returns
-at once and the next layer's forward overlaps the transfer) and a reader that applies the decode worker's
-ROOM_DONE / ROOM_FAILED answers and notices a dead connection.
+Threads per connection (daemons): a writer that drains the connection's frame queue (so `send_layer` returns at
+once and the next layer's forward overlaps the transfer) and a reader that applies the decode worker's answers
+(ROOM_DONE / ROOM_FAILED, and those of the data plane) and notices a dead connection.
 """
 
 from __future__ import annotations
@@ -11,45 +12,42 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .base import (
     ERROR_KINDS, KVLayout, KVSender, KVTransferError, SendHandle, TransferState, TransferStats, TransferStatus,
-    dtype_name, gather_rows,
+    dtype_name,
 )
+from .plane import PairAgain, SendPairing, SendPlane
 from .wire import (
-    ABORT, AUX, HELLO, HELLO_ERROR, HELLO_OK, LAYER, ROOM_DONE, ROOM_FAILED, VERSION, ProtocolError,
-    configure_socket, encode_frame, frame_nbytes, parse_endpoint, payload_crc32, recv_frame, send_frame,
-    tensor_bytes, write_frame,
+    ABORT, AUX, HELLO, HELLO_ERROR, HELLO_OK, ROOM_DONE, ROOM_FAILED, VERSION, ProtocolError, configure_socket,
+    encode_frame, frame_nbytes, parse_endpoint, payload_crc32, recv_frame, send_frame, tensor_bytes, write_frame,
 )
 
 # The decode side only ever answers with payload-free frames.
 _MAX_REPLY_PAYLOAD = 0
 
 
-class _Connection:
-    transport = "tcp"  # what the rows travel over (the `transport` label of the transfer metrics)
+class Connection:
+    """One control connection to a decode endpoint and its pairing's data plane."""
 
-    def __init__(self, endpoint: str, sock: socket.socket, checksum: bool = True):
-        self.endpoint, self.sock, self.checksum = endpoint, sock, checksum
+    def __init__(self, endpoint: str, sock: socket.socket, plane: SendPlane, checksum: bool = True):
+        self.endpoint, self.sock, self.plane, self.checksum = endpoint, sock, plane, checksum
+        self.transport = plane.name  # what the rows travel over (the `transport` label of the transfer metrics)
         self.lock = threading.Lock()
-        self.handles: dict[int, TcpSendHandle] = {}
+        self.handles: dict[int, RoomHandle] = {}
         self.broken: KVTransferError | None = None
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (handle, frame kind, frame buffers) or None
-        self._copy_stream = None  # device-to-host copies of rows on a CUDA pool
+        # (handle, frame kind, frame buffers or a callable building them on the writer thread, post) or None
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        plane.conn = self
         self.writer = threading.Thread(target=self._write_loop, name=f"kv-send-w-{endpoint}", daemon=True)
         self.reader = threading.Thread(target=self._read_loop, name=f"kv-send-r-{endpoint}", daemon=True)
         self.writer.start()
         self.reader.start()
 
-    def copy_stream(self, device: torch.device):
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        return self._copy_stream
-
-    def register(self, handle: TcpSendHandle) -> bool:
+    def register(self, handle: RoomHandle) -> bool:
         with self.lock:
             if self.broken is not None:
                 return False
@@ -58,34 +56,24 @@ class _Connection:
             self.handles[handle.room] = handle
             return True
 
-    def unregister(self, handle: TcpSendHandle) -> None:
+    def unregister(self, handle: RoomHandle) -> None:
         with self.lock:
             if self.handles.get(handle.room) is handle:
                 del self.handles[handle.room]
 
-    def put(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes,
+    def put(self, handle: RoomHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes,
             post: Callable[[], None] | None = None) -> None:
         """Queue one frame. `post`, if given, runs on the writer thread right after the frame is written: the
         collective transports post a layer's sends there, so announcements and sends leave in one order."""
-        self.queue.put((handle, kind, self._frame(handle, kind, header, *payload), post))
+        self.queue.put((handle, kind, self.frame(handle, kind, header, *payload), post))
 
-    def put_when_ready(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], rows: torch.Tensor,
-                       ready: Any) -> None:
-        """Queue a frame whose payload `rows` (pinned host memory) a device copy is still filling; `ready`, a CUDA
-        event, marks it done. The writer thread waits for it, then checksums and encodes: the caller (the prefill
-        engine's thread) never waits for the device, so the forward's next layers are queued at once."""
-        def build() -> list[bytes | memoryview]:
-            ready.synchronize()
-            return self._frame(handle, kind, header, tensor_bytes(rows))
-
-        self.queue.put((handle, kind, build, None))
-
-    def _frame(self, handle: TcpSendHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes):
-        if self.checksum and kind in (LAYER, AUX) and payload:
+    def frame(self, handle: RoomHandle, kind: str, header: dict[str, Any], *payload: memoryview | bytes):
+        """The buffers of one frame of `handle`'s room, counted in its bytes."""
+        if self.checksum and payload:
             # NOTE: over rows already in host memory (a few GB/s, cheap next to the forward that produced them).
             header = {**header, "crc32": payload_crc32(*payload)}
         frame = encode_frame({"kind": kind, "room": handle.room, **header}, *payload)
-        handle._bytes += frame_nbytes(frame)
+        handle.bytes_sent += frame_nbytes(frame)
         return frame
 
     def break_(self, error: KVTransferError) -> None:
@@ -101,15 +89,19 @@ class _Connection:
         except OSError:
             pass
         self.queue.put(None)
+        self.plane.broken(self.broken)  # the first error is the one worth logging
 
     def _write_loop(self) -> None:
         while (item := self.queue.get()) is not None:
             handle, kind, frame, post = item
             if kind != ABORT and handle.status.state == TransferState.FAILED:
                 continue  # the room is dead: drop its remaining frames so the link is free for the others
-            if callable(frame):  # rows still on their way off the GPU (put_when_ready)
+            if kind in (AUX, ABORT) or callable(frame):
                 try:
-                    frame = frame()
+                    if kind in (AUX, ABORT):
+                        self.plane.drain(handle)  # each tells the decode worker that nothing more lands
+                    if callable(frame):  # rows still on their way (a device copy, a grant)
+                        frame = frame()
                 except RuntimeError as e:  # a CUDA error: this room's rows cannot be read
                     handle._fail("aborted", f"room {handle.room}: reading its rows off the GPU failed: {e}")
                     continue
@@ -137,7 +129,7 @@ class _Connection:
                 with self.lock:
                     handle = self.handles.get(header.get("room"))
                 if header["kind"] not in (ROOM_DONE, ROOM_FAILED):
-                    if not self._on_reply(header, handle):
+                    if not self.plane.on_reply(header, handle):
                         raise ProtocolError(f"unexpected {header['kind']} frame")
                     continue
                 if handle is None:
@@ -156,42 +148,50 @@ class _Connection:
         self.break_(error)
         self.writer.join()
         self.sock.close()  # NOTE: only once both threads are done with it, so its fd is never reused under them
-        self._ended()
-
-    def _on_reply(self, header: dict[str, Any], handle: TcpSendHandle | None) -> bool:
-        """A reply other than ROOM_DONE/ROOM_FAILED (on the reader thread); False: not one this transport knows."""
-        return False
-
-    def _ended(self) -> None:
-        """Both threads are done: release what the transport holds for this connection."""
+        self.plane.ended()
+        while not self.queue.empty():  # frames never written (and their builders) hold rows and handles
+            self.queue.get_nowait()
 
 
-class TcpSendHandle(SendHandle):
+class RoomHandle(SendHandle):
     """See `SendHandle`. Use one handle from one thread; different handles may be used from different threads."""
 
-    def __init__(self, conn: _Connection, room: int, num_layers: int, layout: KVLayout, timeout_s: float):
+    def __init__(self, conn: Connection, room: int, num_layers: int, layout: KVLayout, timeout_s: float,
+                 dst_pages: Sequence[int] | None):
         self.room, self.num_layers, self.layout = room, num_layers, layout
+        self.dst_pages = None if dst_pages is None else list(dst_pages)
         self.status = TransferStatus(TransferState.BOOTSTRAPPING)
-        self._conn, self._timeout_s = conn, timeout_s
-        self.transport = conn.transport
+        self._conn, self.timeout_s = conn, timeout_s
+        self.transport, self.streams_layers = conn.plane.name, conn.plane.streams_layers
+        self.plane_state: Any = None  # what the data plane keeps per room (cuda_ipc: its grant and last copy)
+        self.num_tokens: int | None = None
+        self.bytes_sent = 0
         self._layers: set[int] = set()
-        self._num_tokens: int | None = None
         self._finished = False
-        self._bytes = 0
         self._event = threading.Event()
         self._t0 = time.monotonic()
         self._t_rows: float | None = None  # the first rows' hand-over: a transfer's time runs from there
         self._t_end: float | None = None
-        self._deadline = self._t0 + timeout_s
+        self.deadline = self._t0 + timeout_s
 
     def send_rows(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-        num_tokens = self._check_layer(layer, source, slots)
-        self._num_tokens = num_tokens
-        self._layers.add(layer)
+        self._send([layer], source, [source], slots)
+
+    def send_layers(self, first_layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        if source.dim() != 3 or source.shape[0] == 0:
+            raise ValueError(f"room {self.room}: send_layers takes (num_layers > 0, slots or tokens, kv_dim), got "
+                             f"{tuple(source.shape)}")
+        self._send(list(range(first_layer, first_layer + source.shape[0])), source, source, slots)
+
+    def _send(self, layers: list[int], source: torch.Tensor, per_layer: Sequence[torch.Tensor],
+              slots: torch.Tensor | None) -> None:
+        """Every layer's arguments checked (ValueError before any change), the layers taken, the rows queued."""
+        counts = {self._check_layer(layer, rows, slots) for layer, rows in zip(layers, per_layer)}
+        self.num_tokens = counts.pop()  # (one count: the slots are shared)
+        self._layers.update(layers)
         self._t_rows = self._t_rows or time.monotonic()
-        if self.status.state == TransferState.FAILED:
-            return
-        self._queue_layer(layer, source, slots)
+        if self.status.state != TransferState.FAILED:
+            self._conn.plane.send(self, layers, source, slots)
 
     def _check_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> int:
         """Argument mistakes raise ValueError before anything is queued; returns the layer's token count."""
@@ -207,41 +207,18 @@ class TcpSendHandle(SendHandle):
             raise ValueError(f"room {self.room}: slots of shape {tuple(slots.shape)}, expected (num_tokens,)")
         if source.dtype != self.layout.torch_dtype:
             raise ValueError(f"room {self.room}: values are {source.dtype}, the layout says {self.layout.dtype}")
-        if self._num_tokens is not None and num_tokens != self._num_tokens:
+        if self.num_tokens is not None and num_tokens != self.num_tokens:
             raise ValueError(f"room {self.room}: layer {layer} has {num_tokens} tokens, earlier layers "
-                             f"{self._num_tokens}")
+                             f"{self.num_tokens}")
+        plane = self._conn.plane
+        if plane.device is not None and source.device != plane.device:
+            raise ValueError(f"room {self.room}: values are on {source.device}, this {plane.name} sender moves rows "
+                             f"on {plane.device}")
+        need = -(-num_tokens // self.layout.page_size)
+        if plane.writes_pages and len(self.dst_pages) < need:
+            raise ValueError(f"room {self.room}: {num_tokens} tokens need {need} destination pages, begin() was "
+                             f"given {len(self.dst_pages)}")
         return num_tokens
-
-    def _check_layers(self, first_layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> list[int]:
-        """`send_layers`' arguments checked (every layer, before any change), then the layers taken; returns them."""
-        layers = list(range(first_layer, first_layer + source.shape[0]))
-        if source.dim() != 3 or not layers:
-            raise ValueError(f"room {self.room}: send_layers takes (num_layers > 0, slots or tokens, kv_dim), got "
-                             f"{tuple(source.shape)}")
-        counts = {self._check_layer(layer, source[layer - first_layer], slots) for layer in layers}
-        self._num_tokens = counts.pop()  # (one count: the slots are shared)
-        self._layers.update(layers)
-        self._t_rows = self._t_rows or time.monotonic()
-        return layers
-
-    def _queue_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> None:
-        header = {"layer": layer, "num_tokens": self._num_tokens}
-        if source.device.type != "cuda":
-            # NOTE: gathered here, so the caller may overwrite or free the source pages as soon as this returns.
-            self._conn.put(self, LAYER, header, tensor_bytes(gather_rows(source, slots, "cpu")))
-            return
-        # Gathered on the caller's stream (ordered after the forward that wrote the layer and before anything
-        # that overwrites it), then copied to pinned host memory on a side stream without waiting for it.
-        rows = gather_rows(source, slots, source.device)  # (num_tokens, kv_dim)
-        copy_stream = self._conn.copy_stream(source.device)
-        copy_stream.wait_stream(torch.cuda.current_stream(source.device))
-        with torch.cuda.stream(copy_stream):
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(copy_stream)
-        rows.record_stream(copy_stream)  # the allocator must not hand its memory out before the copy read it
-        self._conn.put_when_ready(self, LAYER, header, host, ready)
 
     def finish(self, aux: dict[str, Any]) -> None:
         if self._finished:
@@ -264,36 +241,32 @@ class TcpSendHandle(SendHandle):
                           hidden_nbytes=h.numel() * h.element_size())
             payload.insert(0, tensor_bytes(h))
         if self.status.state != TransferState.FAILED:
-            self._queue_aux(header, payload)
+            self._conn.put(self, AUX, header, *payload)
         self._finished = True
 
-    def _queue_aux(self, header: dict[str, Any], payload: list[bytes | memoryview]) -> None:
-        self._conn.put(self, AUX, header, *payload)
-
     def wait(self, timeout: float | None = None) -> TransferStats:
-        limit = self._deadline - time.monotonic() if timeout is None else timeout
+        limit = self.deadline - time.monotonic() if timeout is None else timeout
         if not self._event.wait(max(0.0, limit)):
-            self._expire(self._timeout_s if timeout is None else timeout)
+            self._expire(self.timeout_s if timeout is None else timeout)
         error = self.status.exception()
         if error is not None:
             raise error
-        return TransferStats(self._bytes, self._t_end - (self._t_rows or self._t0))
+        return TransferStats(self.bytes_sent, self._t_end - (self._t_rows or self._t0))
 
     def poll(self) -> TransferState:
-        if not self.status.finished and time.monotonic() >= self._deadline:
-            self._expire(self._timeout_s)
+        if not self.status.finished and time.monotonic() >= self.deadline:
+            self._expire(self.timeout_s)
         return self.status.state
 
     def abort(self) -> None:
-        if self._fail("aborted", f"room {self.room} was aborted by the prefill worker"):
-            self._conn.put(self, ABORT, {})
+        self._fail("aborted", f"room {self.room} was aborted by the prefill worker", local=True)
 
     def _expire(self, seconds: float) -> None:
-        if self._fail("timeout", f"room {self.room}: decode KV endpoint {self._conn.endpoint} did not confirm "
-                                 f"the transfer within {seconds:g} s"):
-            self._conn.put(self, ABORT, {})  # let the decode worker release the pages now, not at its deadline
+        # The decode worker is told (ABORT): it releases the pages now, not at its own deadline.
+        self._fail("timeout", f"room {self.room}: decode KV endpoint {self._conn.endpoint} did not confirm the "
+                              f"transfer within {seconds:g} s", local=True)
 
-    # ---- called by the connection's threads ----
+    # ---- called by the connection's threads and its data plane ----
 
     def _complete(self) -> None:
         if self.status.advance(TransferState.DONE):
@@ -301,35 +274,40 @@ class TcpSendHandle(SendHandle):
             self._conn.unregister(self)
             self._event.set()
 
-    def _fail(self, kind: str, message: str) -> bool:
+    def _fail(self, kind: str, message: str, local: bool = False) -> bool:
         if not self.status.fail(kind, message):
             return False
         self._t_end = time.monotonic()
         self._conn.unregister(self)
         self._event.set()
+        self._conn.plane.failed(self, local)
         return True
 
 
-class TcpKVSender(KVSender):
-    """See `KVSender`. Connections are made on first use per endpoint, reused, and remade once broken.
-    `token`: the shared internal token the decode receivers require (None: send none). `checksum`: send a CRC32
-    of every LAYER/AUX payload (the receiver fails a room whose data does not match). `device`: where the rows
-    live (TCP copies them to the host whatever it is, so it only matters to the collective transports)."""
+class KVSenderChannel(KVSender):
+    """See `KVSender`: the prefill side of every transport, its pairings made by `pairing_cls` (set by each
+    transport's sender class). Connections are made on first use per endpoint, reused, and remade once broken.
+    `token`: the shared internal token the decode receivers require (None: send none). `checksum`: send a CRC32 of
+    every frame's payload (the receiver fails a room whose data does not match). `device`: where the rows live.
+    Other options go to the pairing."""
 
-    transport = "tcp"  # announced in HELLO: a decode worker on another transport refuses the pairing
+    transport: str  # announced in HELLO: a decode worker that cannot pair with it refuses the pairing
+    pairing_cls: type[SendPairing]
 
-    def __init__(self, layout: KVLayout, connect_timeout_s: float = 5.0, timeout_s: float = 300.0,
-                 token: str | None = None, checksum: bool = True, device: torch.device | str | None = None):
-        self.layout, self.connect_timeout_s, self.timeout_s = layout, connect_timeout_s, timeout_s
-        self.token, self.checksum = token, checksum
+    def __init__(self, layout: KVLayout, connect_timeout_s: float | None = None, timeout_s: float = 300.0,
+                 token: str | None = None, checksum: bool = True, device: torch.device | str | None = None,
+                 **pairing_options: Any):
+        self.layout, self.timeout_s, self.token, self.checksum = layout, timeout_s, token, checksum
+        self.connect_timeout_s = self.pairing_cls.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.pairing = self.pairing_cls(self, **pairing_options)
         self._lock = threading.Lock()
-        self._conns: dict[str, _Connection] = {}
+        self._conns: dict[str, Connection] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
         self._closed = False
 
     def begin(self, endpoint: str, room: int, num_layers: int,
-              dst_pages: Sequence[int] | None = None) -> TcpSendHandle:
+              dst_pages: Sequence[int] | None = None) -> RoomHandle:
         self._check_room(room, num_layers)
         for _ in range(2):  # a connection that broke between lookup and registration is remade once
             conn = self._connection(endpoint)
@@ -339,7 +317,7 @@ class TcpKVSender(KVSender):
         raise conn.broken
 
     def begin_if_paired(self, endpoint: str, room: int, num_layers: int,
-                        dst_pages: Sequence[int] | None = None) -> TcpSendHandle | None:
+                        dst_pages: Sequence[int] | None = None) -> RoomHandle | None:
         self._check_room(room, num_layers)
         with self._lock:
             conn = None if self._closed else self._conns.get(endpoint)
@@ -353,18 +331,22 @@ class TcpKVSender(KVSender):
         if not 0 < num_layers <= self.layout.num_kv_layers:
             raise ValueError(f"num_layers={num_layers} must be in [1, {self.layout.num_kv_layers}]")
 
-    def _start(self, conn: _Connection, room: int, num_layers: int,
-               dst_pages: Sequence[int] | None) -> TcpSendHandle | None:
-        """The room's handle on `conn`, registered; None when the connection broke meanwhile."""
-        handle = self._new_handle(conn, room, num_layers, dst_pages)
+    def _start(self, conn: Connection, room: int, num_layers: int,
+               dst_pages: Sequence[int] | None) -> RoomHandle | None:
+        """The room's handle on `conn`, registered and opened by its plane; None when the connection broke."""
+        if conn.plane.writes_pages and dst_pages is None:
+            raise ValueError(f"the {conn.plane.name} KV transport writes into the decode worker's pages: begin() "
+                             "needs dst_pages")
+        handle = RoomHandle(conn, room, num_layers, self.layout, self.timeout_s, dst_pages)
         if not conn.register(handle):
             return None
+        try:
+            conn.plane.open_room(handle)
+        except BaseException:
+            conn.unregister(handle)
+            raise
         handle.status.advance(TransferState.TRANSFERRING)
         return handle
-
-    def _new_handle(self, conn: _Connection, room: int, num_layers: int,
-                    dst_pages: Sequence[int] | None) -> TcpSendHandle:
-        return TcpSendHandle(conn, room, num_layers, self.layout, self.timeout_s)  # rows carry no destination
 
     def close(self) -> None:
         with self._lock:
@@ -375,7 +357,7 @@ class TcpKVSender(KVSender):
         for c in conns:
             c.reader.join(timeout=2.0)
 
-    def _connection(self, endpoint: str) -> _Connection:
+    def _connection(self, endpoint: str) -> Connection:
         with self._lock:
             if self._closed:
                 raise KVTransferError("aborted", "the KV sender is closed")
@@ -384,7 +366,10 @@ class TcpKVSender(KVSender):
             conn = self._conns.get(endpoint)
             if conn is not None and conn.broken is None:
                 return conn
-            conn = self._connect(endpoint)
+            try:
+                conn = self._connect(endpoint)
+            except PairAgain:
+                conn = self._connect(endpoint)
             with self._lock:
                 if self._closed:
                     conn.break_(KVTransferError("aborted", "the KV sender is closed"))
@@ -392,16 +377,7 @@ class TcpKVSender(KVSender):
                 self._conns[endpoint] = conn
             return conn
 
-    def _hello_fields(self, endpoint: str) -> dict[str, Any]:
-        """What HELLO says about this side beyond the layout and token."""
-        return {"transport": self.transport}
-
-    def _open(self, endpoint: str, sock: socket.socket, hello_ok: dict[str, Any]) -> _Connection:
-        """The connection over a handshaken socket (the collective transports set up their process group here).
-        Raises KVTransferError; the caller closes the socket."""
-        return _Connection(endpoint, sock, self.checksum)
-
-    def _connect(self, endpoint: str) -> _Connection:
+    def _connect(self, endpoint: str) -> Connection:
         host, port = parse_endpoint(endpoint)
         try:
             sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
@@ -410,7 +386,7 @@ class TcpKVSender(KVSender):
         try:
             configure_socket(sock)
             send_frame(sock, {"kind": HELLO, "version": VERSION, "layout": self.layout.to_dict(),
-                              "token": self.token or "", **self._hello_fields(endpoint)})
+                              "token": self.token or "", **self.pairing.hello(endpoint)})
             reply = recv_frame(sock, _MAX_REPLY_PAYLOAD)
             if reply is None:
                 raise ConnectionError("it closed the connection")
@@ -421,7 +397,7 @@ class TcpKVSender(KVSender):
             if reply[0]["kind"] != HELLO_OK:
                 raise ProtocolError(f"unexpected {reply[0]['kind']} frame")
             sock.settimeout(None)  # before the connection's reader starts: an idle link is not an error
-            conn = self._open(endpoint, sock, reply[0])
+            return Connection(endpoint, sock, self.pairing.open(endpoint, sock, reply[0]), self.checksum)
         except OSError as e:
             sock.close()
             raise KVTransferError("unreachable", f"decode KV endpoint {endpoint} did not complete the handshake "
@@ -433,4 +409,3 @@ class TcpKVSender(KVSender):
         except KVTransferError:
             sock.close()
             raise
-        return conn
