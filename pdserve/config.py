@@ -271,10 +271,12 @@ class ParallelConfig:
 
     Rank 0 owns the scheduler, the loop and sampling; ranks 1.. run the model forwards rank 0 hands them (see
     pdserve.parallel). Under TP, attention heads, MLP and expert intermediates are split across the ranks; the latent
-    KV cache (one head) is the same on every rank."""
+    KV cache (one head) is the same on every rank. With ep_size = tp_size (expert parallelism) the routed experts are
+    split over the ranks instead, each expert whole on one rank."""
 
     tp_size: int = 1
     rank: int = 0
+    ep_size: int = 1  # 1, or tp_size: the MoE's routed experts split over the tensor-parallel ranks
     # A collective that waits longer than this fails the worker (a rank hung, not dead: a dead one fails it at once).
     collective_timeout_s: float = 300.0
 
@@ -283,6 +285,9 @@ class ParallelConfig:
             raise ConfigError(f"--tp {self.tp_size}: the tensor-parallel size must be at least 1")
         if not 0 <= self.rank < self.tp_size:
             raise ConfigError(f"ParallelConfig.rank={self.rank} must be in [0, tp_size={self.tp_size})")
+        if self.ep_size not in (1, self.tp_size):
+            raise ConfigError(f"--ep {self.ep_size}: expert parallelism splits the routed experts over the --tp ranks; "
+                              f"give --ep {self.tp_size} (or 1)")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"ParallelConfig.collective_timeout_s={self.collective_timeout_s} must be positive")
 
@@ -296,11 +301,16 @@ class ParallelConfig:
         splits = {"num_attention_heads": cfg.num_attention_heads}
         if cfg.first_k_dense_replace > 0 or not cfg.n_routed_experts:
             splits["intermediate_size"] = cfg.intermediate_size
-        if cfg.n_routed_experts:
+        if cfg.n_routed_experts and self.ep_size > 1:
+            splits["n_routed_experts"] = cfg.n_routed_experts  # whole experts; the shared ones split as under TP
+            if cfg.n_shared_experts:
+                splits["moe_intermediate_size x n_shared_experts"] = cfg.moe_intermediate_size * cfg.n_shared_experts
+        elif cfg.n_routed_experts:
             splits["moe_intermediate_size"] = cfg.moe_intermediate_size
         for key, value in splits.items():
             if value % tp:
-                raise ConfigError(f"--tp {tp} does not divide {key}={value} of {cfg.name}: choose a --tp that does")
+                flag = "--ep" if key == "n_routed_experts" else "--tp"
+                raise ConfigError(f"{flag} {tp} does not divide {key}={value} of {cfg.name}: choose a {flag} that does")
         if cfg.fp8 is None:
             return
         heads = cfg.num_attention_heads // tp
@@ -310,7 +320,7 @@ class ParallelConfig:
                     ("kv_b_proj rows (heads x (qk_nope_head_dim + v_head_dim))",
                      heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.fp8.block_n),
                     ("o_proj columns (heads x v_head_dim)", heads * cfg.v_head_dim, cfg.fp8.block_k)]
-        for key in ("intermediate_size", "moe_intermediate_size"):
+        for key in ("intermediate_size", "moe_intermediate_size", "moe_intermediate_size x n_shared_experts"):
             if key in splits:
                 size = splits[key] // tp
                 per_rank += [(key, size, cfg.fp8.block_n), (key, size, cfg.fp8.block_k)]

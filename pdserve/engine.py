@@ -152,7 +152,7 @@ class LLMEngine:
         config, cfg = self.config, self.model_config
         tp = self.ranks.group if self.ranks is not None else SINGLE
         self.model = load_model(config.model_dir, cfg, dtype, kernels, config.load_format, config.device,
-                                config.prefix_chunk_tokens, progress, tp=tp)
+                                config.prefix_chunk_tokens, progress, tp=tp, ep=config.parallel.ep_size > 1)
         if config.speculative.enabled and not self.model.has_mtp_weights:
             raise ValueError(f"--speculative-algorithm {config.speculative.algorithm} drafts with the NextN/MTP layer, "
                              f"but the checkpoint {config.model_dir} has no MTP weights (num_nextn_predict_layers="

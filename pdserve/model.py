@@ -6,8 +6,9 @@ name; experts are stacked per layer (w13, w2) for grouped kernels. Every heavy o
 
 Tensor parallelism (`tp`, pdserve.parallel) splits the layers, not the model: each rank holds H/tp of the attention
 heads (q_b_proj and kv_b_proj column-parallel, o_proj row-parallel + all-reduce) and I/tp of every MLP's and
-expert's intermediate (gate/up column-parallel, down row-parallel, one all-reduce per MoE); the embedding, the
-router, the latent projections (so the latent KV cache) and lm_head are replicated. At tp size 1 nothing is split.
+expert's intermediate (gate/up column-parallel, down row-parallel, one all-reduce per MoE), or with expert
+parallelism (`ep`) E/tp whole routed experts; the embedding, the router, the latent projections (so the latent KV
+cache) and lm_head are replicated. At tp size 1 nothing is split.
 
 Shapes: T = tokens in the batch, H = attention heads (of this rank), R = kv_lora_rank (512), P = qk_rope_head_dim
 (64), N = qk_nope_head_dim (128), V = v_head_dim (128), D = hidden_size, E = routed experts, I = intermediate size
@@ -206,13 +207,19 @@ class Gate(nn.Module):
 
 class MoE(nn.Module):
     """DeepSeekMoE: top-k of E routed experts (stacked weights) plus always-on shared experts. Under TP every rank
-    routes every token (the gate is replicated) through its I/tp slice of each expert; one all-reduce sums the
-    ranks' partial outputs, shared experts included."""
+    routes every token (the gate is replicated) through its I/tp slice of each expert, or with ep through its E/tp
+    whole experts; one all-reduce sums the ranks' partial outputs, shared experts (split as under TP) included."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelBackends, tp: TPGroup = SINGLE):
+    def __init__(self, cfg: ModelConfig, kernels: KernelBackends, tp: TPGroup = SINGLE, ep: bool = False):
         super().__init__()
         self.kernels, self.tp = kernels, tp
-        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size // tp.size, cfg.hidden_size
+        self.ep = ep and tp.size > 1
+        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        if self.ep:
+            e //= tp.size
+        else:
+            i //= tp.size
+        self.num_experts, self.first_expert = cfg.n_routed_experts, tp.rank * e if self.ep else 0  # global ids
         self.gate = Gate(cfg, kernels)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)  # [gate_proj; up_proj] per expert
         self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)  # down_proj per expert
@@ -228,17 +235,34 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # (T, k), (T, k)
+        if self.ep:
+            weights, ids = self._experts_here(weights, ids)
         y = self.kernels.moe.experts(x, weights, ids, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
                                      self.block)  # (T, D); under TP this rank's partial sum
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return self.tp.all_reduce(y) if self.tp.size > 1 else y
 
+    def _experts_here(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: the (token, slot) pairs of this rank's experts, in local ids. A pair of another
+        rank's expert weighs 0 here (that rank adds it) and is mapped onto a local expert, spread over them, so that
+        every backend takes it as it is.
+
+        NOTE: those pairs are still computed here (no MoE backend skips a pair yet): this EP splits the experts'
+        memory over the ranks, not their compute."""
+        here_n = self.w13.shape[0]
+        local = ids - self.first_expert  # (T, k)
+        here = (local >= 0) & (local < here_n)
+        return weights * here, local.remainder(here_n)
+
     def shard(self, name: str, dest: torch.Tensor) -> Optional[Shard]:
-        """w13 (and its scales) split along the intermediate rows of gate and of up; w2 along its columns. `dest`
-        is one expert's gate or up rows, or all of w13 or of one expert's (gate and up, stacked)."""
+        """Under TP w13 (and its scales) split along the intermediate rows of gate and of up, w2 along its columns;
+        `dest` is one expert's gate or up rows, or all of w13 or of one expert's (gate and up, stacked). Under EP
+        the experts split: a stacked tensor along its experts, one expert's tensors not at all."""
         if self.tp.size == 1:
             return None
+        if self.ep:
+            return Shard(0, self.tp.rank, self.tp.size) if dest.dim() == getattr(self, name).dim() else None
         if name.startswith("w2"):
             return Shard(-1, self.tp.rank, self.tp.size)
         both = dest.shape[-2] == getattr(self, name).shape[-2]
@@ -252,11 +276,11 @@ class Block(nn.Module):
     """Pre-norm decoder layer: x + MLA(norm(x)), then + FFN(norm(.)); FFN dense for the first k layers."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, ep: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = MLA(cfg, layer_idx, kernels, prefix_chunk_tokens, tp)
-        self.mlp = (MoE(cfg, kernels, tp) if cfg.is_moe_layer(layer_idx)
+        self.mlp = (MoE(cfg, kernels, tp, ep) if cfg.is_moe_layer(layer_idx)
                     else MLP(cfg, cfg.intermediate_size, kernels, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -275,12 +299,12 @@ class MTP(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, ep: bool = False):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, cfg, kernels)
-        self.block = Block(cfg, layer_idx, kernels, prefix_chunk_tokens, tp)
+        self.block = Block(cfg, layer_idx, kernels, prefix_chunk_tokens, tp, ep)
         self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor, cos_sin, batch: ForwardBatch,
@@ -293,25 +317,26 @@ class DeepseekV3(nn.Module):
     """The whole model. forward() returns the last hidden states before the final norm (the MTP input);
     logits() applies the final norm and lm_head to the rows that need them.
 
-    tp: this process's tensor-parallel rank (pdserve.parallel); embed_tokens and lm_head are replicated, so every
-    rank's forward ends in the same hidden states and rank 0 alone computes logits."""
+    tp: this process's tensor-parallel rank (pdserve.parallel), ep: its MoEs split their experts (not each expert's
+    intermediate); embed_tokens and lm_head are replicated, so every rank's forward ends in the same hidden states
+    and rank 0 alone computes logits."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelBackends, prefix_chunk_tokens: int = 4096,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, ep: bool = False):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.kernels = kernels  # the CUDA-graph runner asks its attention backend for per-graph plans
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(
-            [Block(cfg, i, kernels, prefix_chunk_tokens, tp) for i in range(cfg.num_hidden_layers)])
+            [Block(cfg, i, kernels, prefix_chunk_tokens, tp, ep) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.embed_tokens.weight.requires_grad_(False)
         # Its KV layer index follows the main layers: cache layer num_hidden_layers + j.
         self.mtp = nn.ModuleList(
-            [MTP(cfg, cfg.num_hidden_layers + j, kernels, prefix_chunk_tokens, tp)
+            [MTP(cfg, cfg.num_hidden_layers + j, kernels, prefix_chunk_tokens, tp, ep)
              for j in range(cfg.num_nextn_predict_layers)])
         self.has_mtp_weights = bool(cfg.num_nextn_predict_layers)  # the loader clears it when absent
 

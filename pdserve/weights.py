@@ -44,11 +44,13 @@ class WeightsError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: a parameter, optionally one expert's slice [row0, row1) of it."""
+    """Where one checkpoint tensor goes: a parameter, optionally one expert's slice [row0, row1) of it (the expert's
+    index in this rank's stack). elsewhere: another rank's expert under expert parallelism, not read here."""
 
     param: str
     expert: Optional[int] = None
     rows: Optional[tuple[int, int]] = None
+    elsewhere: bool = False
 
 
 # Tensors some checkpoints carry that pdserve derives or shares instead of loading.
@@ -95,12 +97,14 @@ def checkpoint_names(model: DeepseekV3, fused_experts: bool = False) -> dict[str
             continue
         kind = "weight_scale_inv" if is_scale else "weight"
         rows = model.get_parameter(param).shape[-2] // 2  # this rank's rows of gate (and of up) in w13[e]
+        first, here = model.get_submodule(param.rpartition(".")[0]).first_expert, model.get_parameter(param).shape[0]
         for x in range(cfg.n_routed_experts):
+            at = dict(expert=x - first) if first <= x < first + here else dict(expert=x, elsewhere=True)
             if e.group(1) == "w2":
-                names[f"{prefix}mlp.experts.{x}.down_proj.{kind}"] = Target(param, x)
+                names[f"{prefix}mlp.experts.{x}.down_proj.{kind}"] = Target(param, **at)
             else:
-                names[f"{prefix}mlp.experts.{x}.gate_proj.{kind}"] = Target(param, x, (0, rows))
-                names[f"{prefix}mlp.experts.{x}.up_proj.{kind}"] = Target(param, x, (rows, 2 * rows))
+                names[f"{prefix}mlp.experts.{x}.gate_proj.{kind}"] = Target(param, rows=(0, rows), **at)
+                names[f"{prefix}mlp.experts.{x}.up_proj.{kind}"] = Target(param, rows=(rows, 2 * rows), **at)
     return names
 
 
@@ -201,15 +205,15 @@ class _NoRandomInit(torch.overrides.TorchFunctionMode):
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, device: str = "cpu",
                 prefix_chunk_tokens: int = 4096, fp8_linears: Optional[set[str]] = None,
-                tp: TPGroup = SINGLE) -> DeepseekV3:
-    """Allocate an uninitialised model (tp: this rank's shards): each parameter gets the dtype it will hold (fp8,
-    fp32 scales, ...).
+                tp: TPGroup = SINGLE, ep: bool = False) -> DeepseekV3:
+    """Allocate an uninitialised model (tp: this rank's shards, ep: of the experts rather than of each expert): each
+    parameter gets the dtype it will hold (fp8, fp32 scales, ...).
 
     fp8_linears names (by checkpoint name, e.g. model.layers.0.self_attn.q_a_proj) the Linear modules stored in
     FP8; by default every quantizable one is, when cfg.fp8 is set.
     """
     with torch.device("meta"), _NoRandomInit():
-        model = DeepseekV3(cfg, kernels, prefix_chunk_tokens, tp)
+        model = DeepseekV3(cfg, kernels, prefix_chunk_tokens, tp, ep)
     hf_name = {t.param: name for name, t in checkpoint_names(model).items() if t.expert is None}
     for mod_name, module in model.named_modules():
         if isinstance(module, Linear) and module.block is not None and fp8_linears is not None \
@@ -238,14 +242,15 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, d
 
 def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends,
                load_format: str = "auto", device: str = "cpu", prefix_chunk_tokens: int = 4096,
-               progress: Optional[Callable[[str], None]] = None, seed: int = 0, tp: TPGroup = SINGLE) -> DeepseekV3:
-    """The model with its weights; under tensor parallelism (tp) this rank's shards of them (dummy weights: the
-    shards of the same random weights a single process draws)."""
+               progress: Optional[Callable[[str], None]] = None, seed: int = 0, tp: TPGroup = SINGLE,
+               ep: bool = False) -> DeepseekV3:
+    """The model with its weights; under tensor parallelism (tp; ep: expert parallelism) this rank's shards of them
+    (dummy weights: the shards of the same random weights a single process draws)."""
     progress = progress or say
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
-        model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, tp=tp)
+        model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, tp=tp, ep=ep)
         init_dummy_weights(model, seed)
         model.post_load()
         return model
@@ -255,7 +260,7 @@ def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, k
     fp8_linears = None
     if cfg.fp8:  # linears the checkpoint stores with block scales stay FP8; the others load unquantized
         fp8_linears = {k[: -len(".weight_scale_inv")] for k in keys if k.endswith(".weight_scale_inv")}
-    model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, fp8_linears, tp)
+    model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, fp8_linears, tp, ep)
     _load_tensors(model, cfg, _iter_tensors(files, progress), keys)
     model.post_load()
     return model
@@ -295,6 +300,9 @@ def _load_tensors(model: DeepseekV3, cfg: ModelConfig, tensors: Iterator[tuple[s
             continue
         if name in seen:
             raise WeightsError(f"tensor {name} appears twice in the checkpoint")
+        if target.elsewhere:  # another rank's expert: present, not read
+            seen.add(name)
+            continue
         param_name, loader = _weight_loader(model, target.param)
         try:
             loader(param_name, tensor_view(model, target), tensor)  # reads this rank's part of the tensor only
@@ -341,8 +349,15 @@ def init_dummy_weights(model: DeepseekV3, seed: int = 0, std: float = 0.02) -> N
                 continue
             gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
             scale_name = "weight_scale_inv" if pname == "weight" else f"{pname}_scale_inv"
-            slices = [(slice(None),)] if p.dim() == 2 else [(i,) for i in range(p.shape[0])]
+            # Stacked experts one at a time, every expert's values drawn (another rank's expert too, under expert
+            # parallelism: each rank's weights are then those of a single process).
+            first = getattr(module, "first_expert", 0)
+            slices = [(slice(None),)] if p.dim() == 2 else [(i - first,) for i in range(getattr(
+                module, "num_experts", p.shape[0]))]
             for idx in slices:
+                if p.dim() == 3 and not 0 <= idx[0] < p.shape[0]:  # another rank's (whole) expert: its draw only
+                    torch.randn(p.shape[1:], generator=gen, device=p.device)
+                    continue
                 dest = p.data[idx]
                 # A tensor-parallel rank draws the whole tensor and keeps its shard: every rank's weights are then
                 # the shards of a single process's.

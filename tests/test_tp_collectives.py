@@ -15,7 +15,7 @@ import torch
 
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.parallel.group import TPGroup, connect, store_for
-from pdserve.parallel.steps import ForwardCall, send_batch
+from pdserve.parallel.steps import ForwardCall, send_batch, send_kv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,7 @@ PEER = r"""
 import pickle, sys, torch
 from multiprocessing import connection
 from pdserve.parallel.group import connect, store_for
-from pdserve.parallel.steps import receive_batch
+from pdserve.parallel.steps import KVCall, receive_batch, receive_kv
 
 conn = connection.Connection(int(sys.argv[2]))
 send = lambda obj: conn.send_bytes(pickle.dumps(obj))  # plain pickle: tensors by value, not shared memory
@@ -44,6 +44,11 @@ while True:
         call, page_size, hidden = args
         batch, prev = receive_batch(group, call, torch.device("cpu"), page_size, hidden)
         send({k: v for k, v in vars(batch).items() if k != "layer_done"} | {"prev_hidden": prev})
+    elif kind == "kv":
+        shape, dtype, n = args
+        kv = torch.full(shape, float("nan")).to(dtype)
+        receive_kv(group, KVCall(n), kv)
+        send(kv)
 """
 
 
@@ -134,3 +139,19 @@ def test_a_step_reaches_the_other_rank_as_rank_0_built_it(peer, batch, mtp):
         else:
             assert got[key] == want, key
     assert (got["prev_hidden"] is None) if prev is None else torch.equal(got["prev_hidden"], prev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_rows_reach_the_same_slots_of_the_other_rank(peer, dtype):
+    """send_kv/receive_kv (a decode worker's transfers, handed on): every layer's rows at the slots, in any order,
+    land in the same slots of the peer's pool, and nothing else there changes."""
+    group, conn = peer
+    shape, n = (3, 50, 9), 13
+    kv = torch.randn(shape).to(dtype)
+    slots = torch.randperm(shape[1], generator=torch.Generator().manual_seed(n))[:n]
+    conn.send(("kv", (shape, dtype, n)))
+    send_kv(group, kv, slots)
+    got = received(conn)
+    want = torch.full(shape, float("nan")).to(dtype)
+    want[:, slots] = kv[:, slots]
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[:, slots], kv[:, slots])

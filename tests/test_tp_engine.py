@@ -1,6 +1,7 @@
 """Tensor parallelism end to end on the CPU (Gloo, fp32): an engine of 2 ranks (this process and a real second
 process) gives the single-process engine's greedy tokens, on the trained demo model (NextN speculation included),
-on random V3 and V2 models and on a block-FP8 one; prompts are batched, chunked and hit the prefix cache."""
+on random V3 and V2 models and on a block-FP8 one, with each expert split (TP) or the experts split (EP); prompts
+are batched, chunked and hit the prefix cache."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ def one_thread_per_rank():
     torch.set_num_threads(before)
 
 
-def engine(model_dir, tp: int, **kw) -> LLMEngine:
+def engine(model_dir, tp: int, ep: int = 1, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(str(model_dir), dtype="float32", cache=CacheConfig(page_size=4, num_pages=256),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=48, max_running_requests=8),
-                                  parallel=ParallelConfig(tp_size=tp), **kw), progress=lambda _m: None)
+                                  parallel=ParallelConfig(tp_size=tp, ep_size=ep), **kw), progress=lambda _m: None)
 
 
 def outputs(e: LLMEngine, prompts) -> list[tuple[list[int], int]]:
@@ -46,9 +47,9 @@ def outputs(e: LLMEngine, prompts) -> list[tuple[list[int], int]]:
     return [(o.output_ids, o.cached_tokens) for o in runs]
 
 
-def compare(model_dir, prompts, **kw) -> None:
+def compare(model_dir, prompts, ep: int = 1, **kw) -> None:
     want = outputs(engine(model_dir, 1, **kw), prompts)
-    parallel = engine(model_dir, 2, **kw)
+    parallel = engine(model_dir, 2, ep, **kw)
     try:
         got = outputs(parallel, prompts)
     finally:
@@ -82,6 +83,17 @@ def test_tp2_gives_the_single_process_tokens_on_the_trained_model(trained_model_
         parallel.close()
 
 
+def test_ep2_gives_the_single_process_tokens_on_the_trained_model(trained_model_dir, trained):
+    """Each rank holds 4 of the 8 experts whole; the MTP layer's MoE too."""
+    _, want = trained
+    parallel = engine(trained_model_dir, 2, ep=2)
+    try:
+        assert parallel.model.layers[1].mlp.w13.shape[0] == 4
+        assert outputs(parallel, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS) == want
+    finally:
+        parallel.close()
+
+
 def test_tp2_with_nextn_speculation_is_lossless(trained_model_dir, trained):
     """Drafts chained through the MTP layer on every rank, verified by the target: the plain greedy tokens."""
     _, want = trained
@@ -92,10 +104,11 @@ def test_tp2_with_nextn_speculation_is_lossless(trained_model_dir, trained):
         parallel.close()
 
 
-@pytest.mark.parametrize("model", ["tiny_v3_dir", "tiny_v2_dir"])
-def test_tp2_gives_the_single_process_tokens_on_random_models(model, request):
-    compare(request.getfixturevalue(model), ID_PROMPTS)
+@pytest.mark.parametrize("model, ep", [("tiny_v3_dir", 1), ("tiny_v2_dir", 1), ("tiny_v2_dir", 2)])
+def test_tp2_gives_the_single_process_tokens_on_random_models(model, ep, request):
+    compare(request.getfixturevalue(model), ID_PROMPTS, ep)
 
 
-def test_tp2_gives_the_single_process_tokens_with_fp8_blocks(tmp_path, tiny_v3_dir):
-    compare(fp8_checkpoint(tmp_path / "fp8-32", tiny_v3_dir, 32), ID_PROMPTS)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_tp2_gives_the_single_process_tokens_with_fp8_blocks(tmp_path, tiny_v3_dir, ep):
+    compare(fp8_checkpoint(tmp_path / "fp8-32", tiny_v3_dir, 32), ID_PROMPTS, ep)

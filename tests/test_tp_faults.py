@@ -77,6 +77,8 @@ def test_rank_1_ends_when_rank_0_is_killed(tmp_path):
      "--tp 3 does not divide num_attention_heads=4 of tiny-trained"),
     (["generate", "--tp", "0", "--input-ids", "1,2", "--device", "cpu"],
      "--tp 0: the tensor-parallel size must be at least 1"),
+    (["generate", "--tp", "2", "--ep", "4", "--input-ids", "1,2", "--device", "cpu"],
+     "--ep 4: expert parallelism splits the routed experts over the --tp ranks; give --ep 2 (or 1)"),
     (["decode", "--tp", "3", "--device", "cpu", "--port", "0", "--metrics-port", "0"],
      "--tp 3 does not divide num_attention_heads=4 of tiny-trained"),
 ])

@@ -42,14 +42,15 @@ def test_tp2_prefill_and_decode_workers_give_the_single_process_tokens(trained_m
 def test_workers_of_any_split_have_one_fingerprint(trained_model_dir):
     cfg = ModelConfig.from_model_dir(str(trained_model_dir))
 
-    def fingerprint(tp: TPGroup) -> str:  # what model_fingerprint reads of an engine (its model's shapes only)
-        model = build_model(cfg, torch.bfloat16, KernelBackends.create(), device="meta", tp=tp)
+    def fingerprint(tp: TPGroup, ep: bool = False) -> str:  # what model_fingerprint reads of an engine
+        model = build_model(cfg, torch.bfloat16, KernelBackends.create(), device="meta", tp=tp, ep=ep)
         return model_fingerprint(types.SimpleNamespace(model_config=cfg, config=types.SimpleNamespace(
             load_format="auto"), model=model))
 
-    assert fingerprint(TPGroup()) == fingerprint(TPGroup(0, 2)) == fingerprint(TPGroup(1, 4))
+    assert fingerprint(TPGroup()) == fingerprint(TPGroup(0, 2)) == fingerprint(TPGroup(1, 4)) == \
+        fingerprint(TPGroup(1, 2), ep=True)
 
 
-def test_up_hands_tp_to_its_workers():
-    flags = engine_flags(build_parser().parse_args(["up", "--model", "m", "--tp", "2"]))
-    assert flags[flags.index("--tp") + 1] == "2"
+def test_up_hands_tp_and_ep_to_its_workers():
+    flags = engine_flags(build_parser().parse_args(["up", "--model", "m", "--tp", "2", "--ep", "2"]))
+    assert flags[flags.index("--tp") + 1] == "2" and flags[flags.index("--ep") + 1] == "2"

@@ -78,6 +78,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tensor parallelism: the model split over N ranks, one process each (GPUs --device and the "
                         "N-1 after it: cuda:0..N-1 by default); rank 0 schedules, samples and, in a worker, serves "
                         "and moves KV (default 1)")
+    g.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert parallelism: the routed experts split over the --tp ranks, each expert whole on one "
+                        "rank, instead of each expert's intermediate; N = --tp (default 1: off)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the configured shapes, no files needed")
     g.add_argument("--attention-backend", default="auto", choices=LazyChoices(attention_backend_names),
@@ -145,7 +148,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         attention_backend=attention, moe_backend=moe, gemm_backend=gemm,
         cuda_graph=CudaGraphConfig(enabled=graphed_decode, max_bs=args.cuda_graph_max_bs),
         overlap_schedule=not args.disable_overlap_schedule,
-        parallel=ParallelConfig(tp_size=tp),
+        parallel=ParallelConfig(tp_size=tp, ep_size=getattr(args, "ep", 1)),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
         speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_num_steps,
                                       args.speculative_num_draft_tokens),

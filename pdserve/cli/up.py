@@ -88,7 +88,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              "--gemm-backend", args.gemm_backend, "--page-size", str(args.page_size), "--num-pages",
              str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len),
-             "--tp", str(args.tp)]
+             "--tp", str(args.tp), "--ep", str(args.ep)]
     flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     if args.speculative_algorithm:  # decode rows speculate; prefill workers then compute the MTP layer's prompt KV
         flags += ["--speculative-algorithm", args.speculative_algorithm, "--speculative-num-steps",

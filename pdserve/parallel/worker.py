@@ -58,7 +58,8 @@ class RankLoop:
         dtype = resolve_dtype(config.dtype, cfg)
         kernels = KernelBackends.create(config.attention_backend, config.moe_backend, config.gemm_backend)
         self.model = load_model(config.model_dir, cfg, dtype, kernels, config.load_format, config.device,
-                                config.prefix_chunk_tokens, progress=lambda _msg: None, tp=self.tp)
+                                config.prefix_chunk_tokens, progress=lambda _msg: None, tp=self.tp,
+                                ep=parallel.ep_size > 1)
         self.pool = LatentKVPool(cfg.num_kv_layers, cfg.kv_cache_dim, config.cache, dtype, config.device)
         spec = config.speculative
         self.graphs = build_graph_runners(self.model, self.pool, kernels, config.cuda_graph, config.device,
