@@ -36,6 +36,12 @@ class TPGroup:
             self._group.broadcast(x, src).wait()
         return x
 
+    def close(self) -> None:
+        """Release the process group (NCCL warns at exit about one never shut down); at rank 0's stop."""
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
+
     def __repr__(self) -> str:
         return f"TPGroup(rank={self.rank}, size={self.size})"
 

@@ -177,6 +177,8 @@ class Ranks:
                 r.process.kill()
                 r.process.wait(STOP_TIMEOUT_S)
             r.conn.close()
+        if getattr(self, "group", None) is not None:
+            self.group.close()
         self._store = None
 
     @property

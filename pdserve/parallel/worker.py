@@ -116,6 +116,7 @@ def main(fd: int) -> None:
         loop = RankLoop(setup)
         conn.send("ready")
         loop.run(conn)
+        loop.tp.close()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         print(f"pdserve: tensor-parallel rank {rank}: rank 0 (pid {setup.parent_pid}) is gone; exiting",
               file=sys.stderr, flush=True)
