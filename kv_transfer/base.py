@@ -155,6 +155,9 @@ class SendHandle(ABC):
 
     room: int
     status: TransferStatus
+    # Where the transport's library picks what carries the rows, its pick (nixl: UCX's transports, e.g.
+    # 'rc_mlx5/mlx5_0:1'), a label of the transfer metrics; None where the transport is all there is to say.
+    link: str | None = None
 
     @abstractmethod
     def send_rows(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:

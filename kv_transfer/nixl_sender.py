@@ -1,0 +1,356 @@
+"""Prefill side of "nixl": the pairing (the decode worker's NIXL agent and registered memory, from its HELLO_OK) and
+the data plane that WRITEs each room's rows into that memory, one WRITE per `send` (see `nixl.py`).
+
+Rows. `send` gathers the rows of its layers `(layers, tokens, kv_dim)` into a block of this sender's registered
+arena (one gather, on the caller's stream; an event after it on a GPU), so the caller may reuse its pool at once
+and the WRITE reads memory NIXL already knows. When the arena has no room left the rows are gathered into a plain
+tensor instead, and the writer thread moves them into the arena once earlier WRITEs have freed enough of it (rows
+larger than the whole arena are registered for their one WRITE). The prefill engine's thread never waits for the
+link.
+
+Writer thread, per LAYER item in queue order: wait for the room's GRANT; WRITE the block, one descriptor per layer
+and page run into the decode pool, or one descriptor into the room's staging block when the decode worker granted
+one (its pages are scattered); poll the WRITE until it resolved; then the LAYER frame names the layers. NIXL reports
+a WRITE DONE once its data is in the peer's memory, so a LAYER frame always follows its rows and the AUX or an ABORT
+(after every WRITE of the room resolved) tells the decode worker that nothing of the room is still being written.
+A WRITE in ERR means the link to the decode worker failed: the connection breaks and its rooms fail (peer_failed).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .base import KVTransferError, TransferState
+from .control_sender import RoomHandle
+from .cuda_ipc_pairing import pool_slots
+from .nixl_agent import Arena, Block, NixlAgent, Region, device_id
+from .pages import plan_pages
+from .plane import SendPairing, SendPlane
+from .wire import ABORT, BEGIN, GRANT, LAYER, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+NIXL = "nixl"
+DEFAULT_SEND_ARENA_BYTES = 256 << 20  # rows of a few rooms' layers in flight; larger ones wait or register apart
+_POLL_SPIN_S = 0.001  # a WRITE is polled back to back this long, then with short sleeps (the CPU is shared)
+_POLL_SLEEP_S = 0.0002
+_ABANDONED_WAIT_S = 5.0  # how long an ended connection waits for WRITEs it stopped polling before it lets them go
+
+
+@dataclass(frozen=True)
+class RemoteMemory:
+    """A registered tensor of the decode worker, as its HELLO_OK describes it."""
+
+    addr: int
+    nbytes: int
+    device: int
+    mem_type: str
+
+    @classmethod
+    def parse(cls, fields: Any, what: str) -> "RemoteMemory":
+        if not isinstance(fields, dict):
+            raise ValueError(f"HELLO_OK describes no {what}")
+        values = [fields.get(k) for k in ("addr", "nbytes", "device")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64 for v in values) \
+                or fields.get("mem_type") not in ("DRAM", "VRAM"):
+            raise ValueError(f"the {what}'s address, size, device or memory type is malformed: {str(fields)[:200]}")
+        return cls(*values, fields["mem_type"])
+
+
+def parse_hello_ok(hello_ok: dict[str, Any], layout) -> tuple[bytes, RemoteMemory, tuple[int, ...],
+                                                                Optional[RemoteMemory]]:
+    """(agent metadata, pool, pool shape, staging or None) from HELLO_OK, checked against `layout` before anything
+    of it reaches NIXL. ValueError says what is wrong."""
+    nixl = hello_ok.get("nixl")
+    if not isinstance(nixl, dict) or not isinstance(nixl.get("agent"), str):
+        raise ValueError("HELLO_OK for nixl without the decode worker's agent metadata")
+    try:
+        metadata = base64.b64decode(nixl["agent"], validate=True)
+    except ValueError:
+        raise ValueError("the agent metadata is not base64") from None
+    pool = RemoteMemory.parse(nixl.get("pool"), "KV pool")
+    shape, dtype = nixl["pool"].get("shape"), nixl["pool"].get("dtype")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(d, int) and d > 0 for d in shape)):
+        raise ValueError(f"pool shape {shape!r} is not (layers, slots, kv_dim)")
+    if dtype != layout.dtype or shape[2] != layout.kv_dim or shape[0] < layout.num_kv_layers \
+            or shape[1] < layout.page_size:
+        raise ValueError(f"pool {shape} {dtype} does not hold {layout.num_kv_layers} layers of {layout.kv_dim} "
+                         f"{layout.dtype} values")
+    if pool.nbytes != shape[0] * shape[1] * shape[2] * layout.torch_dtype.itemsize:
+        raise ValueError(f"pool {shape} is not {pool.nbytes} bytes")
+    staging = None if nixl.get("staging") is None else RemoteMemory.parse(nixl["staging"], "staging area")
+    return metadata, pool, tuple(shape), staging
+
+
+class NixlPairing(SendPairing):
+    """One NIXL agent per sender (made here, so a missing NIXL stops the worker at start with the extra to install)
+    and its arena, made at the first pairing. `backend`: NIXL's backend (UCX; UCX picks its transports from UCX_TLS
+    and its other variables in this process's environment). `arena_bytes`: the registered memory rows wait in."""
+
+    def __init__(self, sender, backend: str = "UCX", arena_bytes: int = DEFAULT_SEND_ARENA_BYTES):
+        super().__init__(sender)
+        if arena_bytes <= 0:
+            raise ValueError(f"arena_bytes={arena_bytes} must be positive")
+        self.agent = NixlAgent(f"pdserve-prefill-{uuid.uuid4().hex[:12]}", backend)
+        self.arena_bytes = arena_bytes
+        self._arena: Optional[Arena] = None
+        self._lock = threading.Lock()
+        # WRITEs that never resolved after their connection ended, with the memory they may still read: kept as
+        # long as this sender, so that memory is never handed out again.
+        self.leaked: list[tuple[Any, Any]] = []
+
+    def arena(self) -> Arena:
+        with self._lock:
+            if self._arena is None:
+                self._arena = Arena(self.agent, self.arena_bytes, self.sender.device)
+            return self._arena
+
+    def open(self, endpoint: str, sock: Any, hello_ok: dict[str, Any]) -> SendPlane:
+        if hello_ok.get("transport", NIXL) != NIXL:
+            raise ProtocolError(f"HELLO_OK chose transport {hello_ok.get('transport')!r}; this sender asked for nixl")
+        try:
+            metadata, pool, shape, staging = parse_hello_ok(hello_ok, self.sender.layout)
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        arena = self.arena()
+        try:
+            peer = self.agent.add_peer(metadata)
+        except Exception as e:  # noqa: BLE001 (NIXL raises its own types)
+            raise KVTransferError("unreachable", f"NIXL could not connect to decode KV endpoint {endpoint}'s agent: "
+                                                 f"{e}") from None
+        ucx = self.agent.transport(peer)
+        logger.info("KV pair with decode %s: over nixl (UCX: %s), its pool %s %s", endpoint, ucx, shape,
+                    pool.mem_type)
+        return NixlSendPlane(self, peer, ucx, pool, shape, staging, arena)
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+class _Grant:
+    """A room's side of the pairing: what the decode worker granted."""
+
+    def __init__(self):
+        self.granted = threading.Event()
+        self.tokens: Optional[int] = None
+        self.staging: Optional[int] = None  # offset of the room's block in the decode worker's staging area
+        self.runs: Optional[tuple[tuple[int, int, int], ...]] = None  # page runs of the room, made at its first WRITE
+
+
+class _Rows:
+    """One send's rows `(layers, tokens, kv_dim)`: in an arena block, or (no room in the arena when gathered) in a
+    plain tensor the writer moves into one."""
+
+    def __init__(self, rows: torch.Tensor, block: Optional[Block], ready: Any):
+        self.rows, self.block, self.ready = rows, block, ready
+
+
+class NixlSendPlane(SendPlane):
+    """The rows of each `send` in one WRITE into the decode worker's registered memory; the frames announce them."""
+
+    name, writes_pages = NIXL, True
+    # Layer by layer as the forward writes them: between hosts the link is slower than the forward, so each layer's
+    # WRITE overlaps the layers still being computed.
+    streams_layers = True
+
+    def __init__(self, pairing: NixlPairing, peer: str, ucx: str, pool: RemoteMemory, pool_shape: tuple[int, ...],
+                 staging: Optional[RemoteMemory], arena: Arena):
+        self.pairing, self.agent, self.peer, self.ucx = pairing, pairing.agent, peer, ucx
+        self.pool, self.pool_shape, self.staging, self.arena = pool, pool_shape, staging, arena
+        self.device = arena.tensor.device
+        self.local_mem = "VRAM" if self.device.type == "cuda" else "DRAM"
+        self._abandoned: list[tuple[Any, Any]] = []  # (WRITE, what it reads) left in flight when the link broke
+
+    # ---- the caller's thread ----
+
+    def open_room(self, handle: RoomHandle) -> None:
+        try:
+            pool_slots(self.pool_shape, handle.dst_pages, handle.layout.page_size)
+        except ValueError as e:  # pages from the peer that do not fit its own pool
+            raise KVTransferError("protocol", f"room {handle.room}: {e}") from None
+        handle.plane_state, handle.link = _Grant(), self.ucx
+        self.conn.put(handle, BEGIN, {"num_layers": handle.num_layers, "pages": handle.dst_pages})
+
+    def send(self, handle: RoomHandle, layers: list[int], source: torch.Tensor,
+             slots: Optional[torch.Tensor]) -> None:
+        src = source if source.dim() == 3 else source[None]  # (layers, slots or tokens, kv_dim)
+        n = handle.num_tokens
+        shape = (len(layers), n, src.shape[-1])
+        block = self.arena.take(shape[0] * n * shape[2] * src.element_size())
+        if block is not None:
+            rows = block.view(shape, src.dtype)
+            if slots is None:
+                rows.copy_(src)
+            else:
+                torch.index_select(src.detach(), 1, slots.to(src.device), out=rows)
+        else:  # the arena is full of rows still to be written: the writer moves these in once it has room
+            rows = src.detach().index_select(1, slots.to(src.device)) if slots is not None else src.detach().clone()
+        ready = None
+        if rows.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(rows.device))
+            if block is not None:
+                block.ready = ready
+        item = _Rows(rows, block, ready)
+        header = {"layer": layers[0]} if len(layers) == 1 else {"layers": layers}
+        header["num_tokens"] = n
+
+        def build():
+            if not self._write(handle, layers, item):
+                return None
+            return self.conn.frame(handle, LAYER, header)
+
+        self.conn.queue.put((handle, LAYER, build, None))
+
+    def failed(self, handle: RoomHandle, local: bool) -> None:
+        if handle.plane_state is not None:
+            handle.plane_state.granted.set()  # a writer waiting for the grant moves on (and finds the room failed)
+        if self.conn.broken is None:
+            # Written after every WRITE of the room resolved: the decode worker frees the room's memory on it.
+            self.conn.put(handle, ABORT, {})
+
+    # ---- the connection's threads ----
+
+    def on_reply(self, header: dict[str, Any], handle: Optional[RoomHandle]) -> bool:
+        if header.get("kind") != GRANT:
+            return False
+        n, staging = header.get("num_tokens"), header.get("staging")
+        if not (isinstance(n, int) and n > 0) or not (staging is None or isinstance(staging, int) and staging >= 0):
+            raise ProtocolError(f"GRANT without a token count and staging offset: {str(header)[:200]}")
+        if handle is not None and handle.plane_state is not None:
+            grant: _Grant = handle.plane_state
+            grant.tokens, grant.staging = n, staging
+            grant.granted.set()
+        return True
+
+    def _write(self, handle: RoomHandle, layers: list[int], item: _Rows) -> bool:
+        """Writer thread: the rows WRITTEN into the room's granted memory; False when the room failed instead."""
+        grant: _Grant = handle.plane_state
+        if not grant.granted.wait(max(0.0, handle.deadline - time.monotonic())):
+            handle._expire(handle.timeout_s)
+            return False
+        if handle.status.state == TransferState.FAILED:
+            return False
+        rows = item.rows
+        n, row_bytes = rows.shape[1], rows.shape[2] * rows.element_size()
+        if n != grant.tokens:
+            handle._fail("protocol", f"room {handle.room}: prefill has {n} tokens, the decode worker reserved "
+                                     f"{grant.tokens}")
+            return False
+        nbytes = rows.numel() * rows.element_size()
+        if grant.staging is not None:
+            room_bytes = handle.num_layers * n * row_bytes
+            if self.staging is None or grant.staging + room_bytes > self.staging.nbytes:
+                handle._fail("protocol", f"room {handle.room}: GRANT names staging at {grant.staging} for "
+                                         f"{room_bytes} bytes, outside the decode worker's staging area")
+                return False
+            first = grant.staging + layers[0] * n * row_bytes  # the room's block is (num_layers, tokens, kv_dim)
+            remote = [(self.staging.addr + first, nbytes, self.staging.device)]
+            remote_mem = self.staging.mem_type
+        else:
+            if grant.runs is None:  # once per room: page_runs is a Python loop over the pages
+                grant.runs = plan_pages(handle.dst_pages, n, handle.layout.page_size).runs
+            layer_bytes = self.pool_shape[1] * row_bytes
+            remote = [(self.pool.addr + layer * layer_bytes + slot * row_bytes, count * row_bytes, self.pool.device)
+                      for layer in layers for _, slot, count in grant.runs]
+            remote_mem = self.pool.mem_type
+        try:
+            source, holder = self._registered(handle, item)
+        except KVTransferError as e:
+            handle._fail(e.kind, e.message)
+            return False
+        base = source.data_ptr()
+        if grant.staging is not None:
+            local: list[Region] = [(base, nbytes, device_id(source))]
+        else:
+            local = [(base + (i * n + first_row) * row_bytes, count * row_bytes, device_id(source))
+                     for i in range(len(layers)) for first_row, _, count in grant.runs]
+        try:
+            xfer = self.agent.write(self.peer, local, remote, self.local_mem, remote_mem, b"")
+        except Exception as e:  # noqa: BLE001 (NIXL refused the descriptors or could not post them)
+            self.conn.break_(KVTransferError("peer_failed", f"room {handle.room}: NIXL could not WRITE its rows to "
+                                                            f"decode KV endpoint {self.conn.endpoint}: {e}"))
+            return False
+        state = self._wait(xfer)
+        if state == "PROC":  # the connection broke while the WRITE was in flight: it may still read `holder`
+            self._abandoned.append((xfer, holder))
+            return False
+        self.agent.release(xfer)
+        if state != "DONE":
+            self.conn.break_(KVTransferError("peer_failed", f"room {handle.room}: the NIXL WRITE to decode KV "
+                                                            f"endpoint {self.conn.endpoint} failed (UCX: {self.ucx})"))
+            return False
+        handle.bytes_sent += nbytes
+        return handle.status.state != TransferState.FAILED
+
+    def _registered(self, handle: RoomHandle, item: _Rows) -> tuple[torch.Tensor, Any]:
+        """The rows in registered memory, and what keeps that memory valid while a WRITE reads it."""
+        rows = item.rows
+        if item.block is not None:
+            if item.ready is not None:
+                item.ready.synchronize()  # the gather into the block (NIXL reads the memory, not the stream)
+            return rows, item.block
+        if item.ready is not None:
+            item.ready.synchronize()
+        nbytes = rows.numel() * rows.element_size()
+        if nbytes > self.arena.nbytes:  # never fits: registered for this WRITE alone
+            return rows, _OwnRegistration(self.agent, rows)
+        while (block := self.arena.take(nbytes)) is None:  # the arena frees as this and other writers finish
+            if time.monotonic() >= handle.deadline:
+                raise KVTransferError("timeout", f"room {handle.room}: no room in the NIXL send arena "
+                                                 f"({self.arena.nbytes} bytes) within the transfer's deadline")
+            if self.conn.broken is not None:
+                raise self.conn.broken
+            time.sleep(_POLL_SLEEP_S * 10)
+        staged = block.view(rows.shape, rows.dtype)
+        staged.copy_(rows)
+        if staged.device.type == "cuda":
+            torch.cuda.current_stream(staged.device).synchronize()
+        return staged, block
+
+    def _wait(self, xfer: Any) -> str:
+        """The WRITE's state once it resolved ('DONE' or 'ERR'), or 'PROC' when the connection broke first (a WRITE
+        runs to its end or its error even when its room failed: the room's ABORT must come after it)."""
+        spin_until = time.monotonic() + _POLL_SPIN_S
+        while (state := self.agent.state(xfer)) == "PROC":
+            if self.conn.broken is not None:
+                return state
+            if time.monotonic() > spin_until:
+                time.sleep(_POLL_SLEEP_S)
+        return state
+
+    def ended(self) -> None:
+        deadline = time.monotonic() + _ABANDONED_WAIT_S
+        for xfer, holder in self._abandoned:
+            while self.agent.state(xfer) == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if self.agent.state(xfer) == "PROC":
+                # NOTE: its memory stays with the WRITE (the arena block is never handed out again).
+                logger.warning("KV connection to %s ended with a NIXL WRITE still in flight after %g s",
+                               self.conn.endpoint, _ABANDONED_WAIT_S)
+                self.pairing.leaked.append((xfer, holder))
+                continue
+            self.agent.release(xfer)
+        self._abandoned.clear()
+        self.agent.remove_peer(self.peer)
+
+
+class _OwnRegistration:
+    """Rows too large for the arena, registered for their one WRITE and deregistered once nothing reads them."""
+
+    def __init__(self, agent: NixlAgent, rows: torch.Tensor):
+        self.agent, self.rows, self.registered = agent, rows, agent.register(rows)
+
+    def __del__(self):
+        self.agent.deregister(self.registered)
+
+
+__all__ = ["NIXL", "NixlPairing", "NixlSendPlane", "RemoteMemory", "parse_hello_ok"]
