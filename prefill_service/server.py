@@ -143,6 +143,8 @@ class PrefillWorker:
         mark("prefill.transfer_confirmed", rec.request_id)
         m.count(m.transfer_bytes, outcome.bytes_sent, transport=transport)
         m.observe(m.transfer_seconds, outcome.seconds, transport=transport)
+        if rec.handle.link is not None:
+            m.note_link(transport, rec.handle.link)
         m.count(m.requests, outcome="finished")
 
     async def transfers_done(self, timeout_s: float) -> None:

@@ -19,7 +19,7 @@ from pdserve.spec_decode import SpeculativeConfig
 class RecordingHandle:
     """A room that keeps what it is sent; its transfer ends (DONE) with its aux record."""
     streams_layers = True  # as TCP's and NCCL's handles
-    transport = "tcp"
+    transport, link = "tcp", None
 
     def __init__(self, events):
         self.events, self.layers, self.aux = events, {}, None

@@ -33,7 +33,7 @@ ROLE_METRICS = {
     "router": {"requests", "ttft", "itl", "e2e", "prefix_hit_tokens", "prompt_tokens", "generated_tokens",
                "router_decisions", "redis_errors", "registrations_rejected", "ownership_rejected", "workers_down"},
     "prefill": _POOL | {"requests", "ttft", "prefix_hit_tokens", "prompt_tokens", "prompts_received",
-                        "transfer_bytes", "transfer_seconds", "transfer_failures", "redis_errors"},
+                        "transfer_bytes", "transfer_seconds", "transfer_failures", "transfer_links", "redis_errors"},
     "decode": _POOL | {"requests", "itl", "e2e", "generated_tokens", "transfer_failures", "spec_accept_length",
                        "spec_draft_seconds", "spec_verify_seconds", "step_hold_seconds", "replay_stretch"},
 }
@@ -70,6 +70,7 @@ class Metrics:
     transfer_bytes: Optional[Counter]  # by transport (tcp, cuda_ipc, nccl, gloo): what the pair's rows travelled over
     transfer_seconds: Optional[Histogram]  # by transport; record through Metrics.observe
     transfer_failures: Optional[Counter]  # by kind and transport
+    transfer_links: Optional[Gauge]  # prefill: 1 by transport and link, what its library picked (nixl: UCX's)
     router_decisions: Optional[Counter]  # by reason: prefix_hit, load, retry
     redis_errors: Optional[Counter]
     registrations_rejected: Optional[Counter]  # router: Redis worker entries refused (by reason)
@@ -94,8 +95,11 @@ class Metrics:
             # Counters keep their extra labels open; record through Metrics.count, which adds the role.
             return Counter(name, doc, ["role", *labels], registry=r) if field in mine else None
 
-        def gauge(field, name, doc):
-            return Gauge(name, doc, ["role"], registry=r).labels(**const) if field in mine else None
+        def gauge(field, name, doc, labels=()):
+            if field not in mine:
+                return None
+            g = Gauge(name, doc, ["role", *labels], registry=r)
+            return g.labels(**const) if not labels else g  # with more labels: set through Metrics.note_link
 
         def hist(field, name, doc, buckets, labels=()):
             if field not in mine:
@@ -131,6 +135,10 @@ class Metrics:
                                   "KV transfer time per request, by transport", TRANSFER_BUCKETS, ["transport"]),
             transfer_failures=counter("transfer_failures", "pdserve_kv_transfer_failures",
                                       "Requests whose KV transfer failed", ["kind", "transport"]),
+            transfer_links=gauge("transfer_links", "pdserve_kv_transfer_links",
+                                 "1 for each link a transport's library picked for this worker's KV transfers "
+                                 "(nixl: the UCX transports, e.g. rc_mlx5/mlx5_0:1 for RDMA, cuda_ipc/cuda for "
+                                 "NVLink, tcp/eth0)", ["transport", "link"]),
             router_decisions=counter("router_decisions", "pdserve_router_decisions",
                                      "Prefill worker choices by reason", ["reason"]),
             redis_errors=counter("redis_errors", "pdserve_redis_errors",
@@ -190,6 +198,10 @@ class Metrics:
 
     def count(self, counter: Counter, amount: float = 1.0, **labels: str) -> None:
         counter.labels(role=self._role, **labels).inc(amount)  # type: ignore[attr-defined]
+
+    def note_link(self, transport: str, link: str) -> None:
+        """A KV transfer of this worker's went over `link` (`SendHandle.link`)."""
+        self.transfer_links.labels(role=self._role, transport=transport, link=link).set(1)  # type: ignore
 
     def observe(self, histogram: Histogram, value: float, **labels: str) -> None:
         """For the histograms with labels beyond the role (transfer_seconds)."""
