@@ -290,14 +290,18 @@ class Transport(NamedTuple):
     sender: type[KVSender]
     receiver: type[KVReceiver]
     devices: tuple[str, ...] = ("cpu", "cuda")  # device types whose KV pools it can move
+    # Raises ValueError naming what to install when the transport cannot run in this process (a library it needs).
+    check: Optional[Callable[[], Any]] = None
 
 
 TRANSPORTS: Registry[Transport] = Registry("kv transport")
 
 
 def check_transport_device(name: str, device: torch.device | str) -> None:
-    """ValueError naming the fix when transport `name` cannot move KV rows that live on `device` (checked when a
-    worker is configured, before its model loads)."""
+    """ValueError naming the fix when transport `name` cannot move KV rows that live on `device`, or cannot run here
+    at all (checked when a worker is configured, before its model loads)."""
+    if TRANSPORTS.get(name).check is not None:
+        TRANSPORTS.get(name).check()
     kind = torch.device(device).type
     supported = TRANSPORTS.get(name).devices
     if kind in supported:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from .base import TRANSPORTS, Transport
 from .control_receiver import KVReceiverChannel
 from .control_sender import KVSenderChannel
+from .nixl_agent import load_api
 from .nixl_receiver import NixlReceivePlane
 from .nixl_sender import NIXL, NixlPairing, NixlSendPlane
 
@@ -59,6 +60,6 @@ class NixlKVReceiver(KVReceiverChannel):
     transport, plane_cls = NIXL, NixlReceivePlane
 
 
-TRANSPORTS.register(NIXL)(Transport(sender=NixlKVSender, receiver=NixlKVReceiver))
+TRANSPORTS.register(NIXL)(Transport(sender=NixlKVSender, receiver=NixlKVReceiver, check=load_api))
 
 __all__ = ["NixlKVReceiver", "NixlKVSender", "NixlReceivePlane", "NixlSendPlane"]

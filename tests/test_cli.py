@@ -164,7 +164,7 @@ def test_nccl_on_a_cpu_worker_exits_2_before_loading_the_model(role, tiny_v3_dir
     proc = pdserve(role, "--model", tiny_v3_dir, "--device", "cpu", "--kv-transport", "nccl", timeout=60)
     line = assert_one_line_error(proc, role)
     assert line == (f"pdserve {role}: error: --kv-transport nccl needs a CUDA device; this worker runs on cpu: use "
-                    "tcp or auto or gloo")
+                    "tcp or auto or gloo or nixl")
     assert "loaded shard" not in proc.stderr, "the check must come before the model load"
 
 
@@ -231,9 +231,9 @@ def test_make_tiny_model_rejects_unknown_arch(tmp_path, capsys):
     (["--help"], ["generate", "make-tiny-model", "prefill", "decode", "router"]),
     (["generate", "--help"], ["--model", "--prompt", "--input-ids", "--max-new-tokens", "--temperature", "--json",
                               "--load-format", "dummy"]),
-    (["prefill", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--no-kv-layerwise"]),
-    (["decode", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--kv-port", "--min-step-interval-ms"]),
-    (["up", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,tcp}", "--decode-min-step-interval-ms"]),
+    (["prefill", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,nixl,tcp}", "--no-kv-layerwise"]),
+    (["decode", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,nixl,tcp}", "--kv-port", "--min-step-interval-ms"]),
+    (["up", "--help"], ["--kv-transport {auto,cuda_ipc,gloo,nccl,nixl,tcp}", "--decode-min-step-interval-ms"]),
 ], ids=["pdserve", "generate", "prefill", "decode", "up"])
 def test_help(args, flags):
     proc = pdserve(*args)

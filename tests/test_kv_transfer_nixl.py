@@ -288,6 +288,20 @@ def test_a_missing_nixl_names_the_extra_when_the_worker_starts(monkeypatch):
                        kv_buffer=torch.zeros(LAYERS, 64, KV_DIM))
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_without_nixl_stops_before_loading_its_model_naming_the_extra(tmp_path, role):
+    shadow = tmp_path / "nixl_cu13"  # an import of NIXL fails, as where it is not installed
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('NIXL is not installed here')\n")
+    out = subprocess.run([sys.executable, "-m", "pdserve", role, "--kv-transport", "nixl", "--device", "cpu"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"pdserve {role}: error: --kv-transport nixl needs NIXL, which is not installed: "
+                                 "pip install 'pdserve[nixl]'") and out.stderr.count("\n") == 1, out.stderr
+    assert "loaded shard" not in out.stderr + out.stdout
+
+
 # ---- pages, deadlines, aborts ---------------------------------------------------------------------------------------
 
 def test_pages_outside_the_pool_or_the_reservation_are_never_written(cleanup):

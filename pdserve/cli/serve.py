@@ -110,8 +110,10 @@ KV_TRANSPORT_HELP = (
     "logged when a pair first connects and is the `transport` label of pdserve_kv_transfer_*. tcp: through the "
     "host, any device. cuda_ipc: the prefill "
     "worker writes into the decode pool over CUDA IPC (same host, refused otherwise); "
-    "nccl: GPU to GPU over NCCL, two different GPUs (never picked by auto); gloo: CPU pools. Both tiers "
-    "take the same value, or auto on either side of tcp or cuda_ipc")
+    "nccl: GPU to GPU over NCCL, two different GPUs (never picked by auto); gloo: CPU pools; nixl: the "
+    "prefill worker writes into the decode pool over NIXL (UCX: RDMA between hosts, NVLink, TCP; UCX_TLS and "
+    "UCX_NET_DEVICES in the workers' environment restrict it; pip install 'pdserve[nixl]'), never picked by auto. "
+    "Both tiers take the same value, or auto on either side of tcp or cuda_ipc")
 
 
 def kv_transport_names() -> list[str]:
