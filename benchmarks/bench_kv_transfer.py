@@ -1,6 +1,6 @@
-"""KV transfer between two GPUs of one host: pdserve's "nccl" or "cuda_ipc" transport against a peer copy of the same
-bytes and (nccl) a plain torch.distributed NCCL send/recv of them, measured in the same run, plus the GPU memory an
-NCCL communicator takes.
+"""KV transfer between two GPUs of one host: pdserve's "nccl", "cuda_ipc" or "nixl" transport against a peer copy of
+the same bytes and (nccl) a plain torch.distributed NCCL send/recv of them, measured in the same run, plus the GPU
+memory an NCCL communicator takes.
 
 Layout: DeepSeek-V3's latent KV, --layers 61 x --kv-dim 576 bf16 values per token (70.3 KiB a token), rooms of
 --tokens 4096 and 16384 (288 MiB and 1.15 GiB). This process is the prefill side (rows on --prefill-device); it
@@ -35,6 +35,7 @@ of what the writer thread queues; "ours (device) / copy" compares it with the de
     python benchmarks/bench_kv_transfer.py --backend cuda_ipc --decode-device cuda:1 --out /tmp/kv_ipc2.json  # (kv)
     python benchmarks/bench_kv_transfer.py --backend gloo --prefill-device cpu --decode-device cpu --layers 4 \\
         --tokens 256 --iters 2 --out /tmp/kv_transfer_cpu.json    # a dry run of the script on the CPU (Gloo)
+    python benchmarks/bench_kv_transfer.py --backend nixl --out /tmp/kv_nixl.json    # NIXL WRITEs GPU 0 -> GPU 1
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from pdserve.kv_transfer.pages import plan_pages, scatter_pages  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file to write (every number of the run)")
-    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo", "cuda_ipc", "tcp"],
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo", "cuda_ipc", "tcp", "nixl"],
                    help="transport to measure (default nccl)")
     p.add_argument("--layer-sets", type=int, nargs="+", default=[5, 61],
                    help="cuda_ipc: KV layer counts measured (5: the V3 slice, 4 layers + NextN; 61: DeepSeek-V3)")
@@ -136,9 +137,12 @@ def decode_main(args) -> None:
                        device=device)
     say = lambda *words: print(*words, flush=True)  # noqa: E731
     before = free_bytes(device)
+    # nixl: a staging area that holds the largest room, so shuffled pages are staged at every size measured
+    options = {"staging_bytes": args.layers * max(args.tokens) * args.kv_dim * layout.torch_dtype.itemsize} \
+        if args.backend == "nixl" else {}
     receiver = TRANSPORTS.get(args.backend).receiver(
         layout, port=args.kv_port, kv_buffer=pool, timeout_s=600, on_layer=lambda *a: None,
-        on_done=lambda room, aux: None, on_failed=lambda room, e: say("failed", room, e))
+        on_done=lambda room, aux: None, on_failed=lambda room, e: say("failed", room, e), **options)
     say("ready", receiver.endpoint)
     buffer = torch.empty(max(args.tokens), args.kv_dim, dtype=layout.torch_dtype, device=device)
     for line in sys.stdin:
@@ -283,6 +287,7 @@ def prefill_main(args) -> None:
         run_ours(argparse.Namespace(**connect), child, sender, rows, 1, "contiguous", 1)
         conn = next(iter(sender._conns.values()))
         result["transport"] = conn.transport  # what the pairing chose (auto / cuda_ipc: cuda_ipc or tcp)
+        result["link"] = getattr(conn.plane, "ucx", None)  # nixl: the UCX transports it picked for the WRITEs
         stats = json.loads(child.send("stats", answer="stats").split(maxsplit=1)[1])
         result["memory"] = {"prefill_ours_mem_get_info_bytes": before - free_bytes(device),
                             "prefill_ours_pair_bytes": getattr(getattr(conn.plane, "pair", None), "comm_bytes", 0),
@@ -317,7 +322,8 @@ def prefill_main(args) -> None:
                         case["peer_copy"] = peer[tokens]
                         case["ours_over_peer_copy"] = case["ours"]["GB_per_s"] / peer[tokens]["GB_per_s"]
                     result["cases"].append(case)
-                    print(f"ours {args.backend} ({result['transport']}) send={send:6s} {order:10s} {tokens:6d} tokens "
+                    print(f"ours {args.backend} ({result['link'] or result['transport']}) send={send:6s} {order:10s} "
+                          f"{tokens:6d} tokens "
                           f"{case['bytes'] / 2**20:8.1f} MiB {case['ours']['seconds'] * 1e3:8.2f} ms "
                           f"{case['ours']['GB_per_s']:7.2f} GB/s"
                           + (f" = {case['ours_over_peer_copy']:.2f} of a peer copy" if tokens in peer else ""),

@@ -3,10 +3,10 @@ the data plane that WRITEs each room's rows into that memory, one WRITE per `sen
 
 Rows. `send` gathers the rows of its layers `(layers, tokens, kv_dim)` into a block of this sender's registered
 arena (one gather, on the caller's stream; an event after it on a GPU), so the caller may reuse its pool at once
-and the WRITE reads memory NIXL already knows. When the arena has no room left the rows are gathered into a plain
-tensor instead, and the writer thread moves them into the arena once earlier WRITEs have freed enough of it (rows
-larger than the whole arena are registered for their one WRITE). The prefill engine's thread never waits for the
-link.
+and the WRITE reads memory NIXL already knows; a run of layers larger than half the arena goes as several WRITEs.
+When the arena has no room left the rows are gathered into a plain tensor instead, and the writer thread moves them
+into the arena once earlier WRITEs have freed enough of it (one layer's rows larger than the whole arena are
+registered for their one WRITE). The prefill engine's thread never waits for the link.
 
 Writer thread, per LAYER item in queue order: wait for the room's GRANT; WRITE the block, one descriptor per layer
 and page run into the decode pool, or one descriptor into the room's staging block when the decode worker granted
@@ -182,6 +182,14 @@ class NixlSendPlane(SendPlane):
     def send(self, handle: RoomHandle, layers: list[int], source: torch.Tensor,
              slots: Optional[torch.Tensor]) -> None:
         src = source if source.dim() == 3 else source[None]  # (layers, slots or tokens, kv_dim)
+        # A run of layers larger than half the arena goes as several WRITEs of layers (a whole long prompt at once:
+        # its rows would not fit), so the next one's rows are gathered while one is written.
+        layer_bytes = handle.num_tokens * src.shape[-1] * src.element_size()
+        step = max(1, self.arena.nbytes // 2 // layer_bytes)
+        for first in range(0, len(layers), step):
+            self._send(handle, layers[first:first + step], src[first:first + step], slots)
+
+    def _send(self, handle: RoomHandle, layers: list[int], src: torch.Tensor, slots: Optional[torch.Tensor]) -> None:
         n = handle.num_tokens
         shape = (len(layers), n, src.shape[-1])
         block = self.arena.take(shape[0] * n * shape[2] * src.element_size())

@@ -180,6 +180,25 @@ def test_rows_beyond_the_arena_still_land(cleanup, arena_bytes):
     assert not s.pairing.agent._registrations.keys() - {arena.registered.addr}, "a WRITE's own registration stayed"
 
 
+def test_a_run_of_layers_larger_than_half_the_arena_goes_as_several_writes(cleanup):
+    """A whole prompt handed over at once (send_layers, e.g. a prompt bound after its forward) whose rows exceed half
+    the send arena: one WRITE and one announcement per piece that fits, so the arena bounds the memory in transit."""
+    decode = nixl_decode(cleanup)
+    s = nixl_sender(cleanup, arena_bytes=2 * TOKENS * KV_DIM * 4 + 256)  # half of it: one layer's rows
+    frames = []
+    on_data = decode.receiver._on_data
+    decode.receiver._on_data = lambda conn, kind, header, payload: (
+        frames.append((kind, header.get("layers", header.get("layer")))), on_data(conn, kind, header, payload))[1]
+    pages = decode.reserve(4, TOKENS)
+    h = s.begin(decode.receiver.endpoint, 4, LAYERS, dst_pages=pages)
+    h.send_layers(0, rows_of(4))
+    h.finish(AUX)
+    h.wait(timeout=10)
+    decode.rec.wait_for(lambda: decode.rec.done)
+    assert [f for f in frames if f[0] == "LAYER"] == [("LAYER", layer) for layer in range(LAYERS)]
+    assert landed(decode, 4, pages)
+
+
 def test_the_arena_hands_out_disjoint_blocks_and_merges_them_back():
     agent = NixlAgent("pdserve-test-arena")
     try:
