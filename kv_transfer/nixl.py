@@ -4,11 +4,13 @@ NVLink or PCIe between GPUs of a host, CMA or TCP between host memories). It wor
 pools alike; the control channel every transport shares carries the handshake, rooms, the AUX record and aborts.
 Its data planes are `nixl_sender.py` and `nixl_receiver.py`, over `nixl_agent.py`.
 
-Pairing. The decode receiver registers its pool (and a staging area) with its NIXL agent once, when it is built;
-after the `--internal-token` and layout checks HELLO_OK carries that agent's metadata (base64) and the registered
-memory's address, size, device, memory type and shape. The sender loads the metadata (its agent connects to the
-decode worker's) and logs what UCX picked for WRITEs to it: "KV pair with decode X: over nixl (UCX: rc_mlx5/...)".
-The decode agent never loads a peer's metadata: nothing but the authenticated control channel reaches it.
+Pairing. The decode receiver registers its pool (a staging area, and a small probe) with its NIXL agent once, when
+it is built; after the `--internal-token` and layout checks HELLO_OK carries that agent's metadata (base64) and the
+registered memory's address, size, device, memory type and shape. The sender loads the metadata (its agent connects
+to the decode worker's), WRITEs the probe once (the data path works before a room relies on it, and its set-up is
+not the first room's cost) and logs what UCX picked for those WRITEs: "KV pair with decode X: over nixl (UCX:
+rc_mlx5/...)", also `SendHandle.link` (the metric label `link`). The decode agent never loads a peer's metadata:
+nothing but the authenticated control channel reaches it.
 
 A room:
 

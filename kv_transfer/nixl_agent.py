@@ -91,14 +91,21 @@ _WRITE_TABLE = re.compile(r"remote memory write by ucp_put\S* from (\S+) memory 
 _ROW = re.compile(r"\|\s*\S+\s*\|\s*[^|]*\|\s*([^|]+?)\s*\|\s*$")
 
 
-def write_transports(proto_info: str) -> list[str]:
+_MEMORY = {"DRAM": "host", "VRAM": "cuda"}  # NIXL's memory types as UCX's tables name them
+
+
+def write_transports(proto_info: str, memory: Optional[tuple[str, str]] = None) -> list[str]:
     """The UCX transports (each table row's Config column: e.g. 'cuda_ipc/cuda', 'cma/memory', 'rc_mlx5/mlx5_0:1',
-    'tcp/eth0', or several lanes in one cell) in UCX_PROTO_INFO's tables for remote writes, for endpoints to peers (tables titled '... intra_node cfg' or 'inter_node cfg';
-    the agent's loopback endpoint, 'self cfg', is not a peer)."""
+    'tcp/eth0', or several lanes in one cell) in UCX_PROTO_INFO's tables for remote writes, for endpoints to peers
+    (tables titled '... intra_node cfg' or 'inter_node cfg'; the agent's loopback endpoint, 'self cfg', is not a
+    peer). `memory`: (source, destination) as NIXL names them ('DRAM', 'VRAM'): the tables of those writes only."""
     found: list[str] = []
     lines = proto_info.splitlines()
     for i, line in enumerate(lines):
-        if not _WRITE_TABLE.search(line) or i == 0 or " self cfg" in lines[i - 1]:
+        title = _WRITE_TABLE.search(line)
+        if not title or i == 0 or " self cfg" in lines[i - 1]:
+            continue
+        if memory is not None and (title.group(1), title.group(2)) != tuple(_MEMORY.get(m, m) for m in memory):
             continue
         for row in lines[i + 1:]:
             if "remote memory" in row or "active message" in row or " cfg#" in row:
@@ -164,9 +171,10 @@ class NixlAgent:
         self.backend = backend
         self._lock = threading.Lock()
         self._registrations: dict[int, Any] = {}  # address -> NIXL's registration of the tensor there
-        self._peers: dict[str, list[str]] = {}  # name -> UCX's transports for writes to it
         self._peer_refs: dict[str, int] = {}  # name -> add_peer calls not yet matched by remove_peer
-        self._transports: list[str] = []  # UCX's picks for writes to any peer so far
+        self._log_lock = threading.Lock()
+        self._proto = ""  # UCX's protocol tables read so far (see transport())
+        self._peer_from: dict[str, int] = {}  # name -> where in them the tables printed since its add_peer start
         # UCX_PROTO_INFO is read for each context (the backend below makes one): UCX then prints its protocol
         # tables into its log, read at each new peer.
         log_path = _ucx_log_path()
@@ -234,22 +242,30 @@ class NixlAgent:
             self._peer_refs[name] = self._peer_refs.get(name, 0) + 1
             if self._peer_refs[name] > 1:
                 return name
+            self._peer_from[name] = len(self._read_log())
             try:
                 self._agent.make_connection(name)
             except Exception:
                 self._peer_refs.pop(name)
+                self._peer_from.pop(name)
                 self._agent.remove_remote_agent(name)
                 raise
-        # A peer whose endpoint configuration is new printed its tables just now; one that shares an earlier
-        # peer's configuration printed none, and gets what every peer so far got.
-        picked = write_transports(self._ucx_log.read_new())
-        self._transports += [t for t in picked if t not in self._transports]
-        self._peers[name] = picked or list(self._transports)
         return name
 
-    def transport(self, peer: str) -> str:
-        """UCX's transports for writes to this peer, e.g. 'cuda_ipc/cuda', or 'unknown' when UCX printed none."""
-        return ",".join(self._peers.get(peer) or ["unknown"])
+    def transport(self, peer: str, local_mem: str = "DRAM", remote_mem: str = "DRAM") -> str:
+        """UCX's transports for WRITEs from `local_mem` here to `remote_mem` at this peer, e.g. 'cuda_ipc/cuda', or
+        'unknown' when UCX printed none. UCX prints a table when it makes an endpoint and when a kind of write is
+        first made (for GPU memory: the first WRITE), so ask after one. The tables printed since the peer was added
+        are its own; a peer whose endpoint configuration an earlier peer's shares printed none, and gets theirs."""
+        text = self._read_log()
+        since = text[self._peer_from.get(peer, 0):]
+        picked = write_transports(since, (local_mem, remote_mem)) or write_transports(text, (local_mem, remote_mem))
+        return ",".join(picked) or "unknown"
+
+    def _read_log(self) -> str:
+        with self._log_lock:
+            self._proto += self._ucx_log.read_new()
+            return self._proto
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
@@ -258,7 +274,7 @@ class NixlAgent:
                 self._peer_refs[peer] = left
                 return
             if self._peer_refs.pop(peer, None) is not None:
-                self._peers.pop(peer, None)
+                self._peer_from.pop(peer, None)
                 self._agent.remove_remote_agent(peer)
 
     def write(self, peer: str, local: Sequence[Region], remote: Sequence[Region], local_mem: str, remote_mem: str,
@@ -307,7 +323,7 @@ class NixlAgent:
             for peer in list(self._peer_refs):
                 with contextlib.suppress(Exception):
                     self._agent.remove_remote_agent(peer)
-            self._peers.clear()
+            self._peer_from.clear()
             self._peer_refs.clear()
             for reg in self._registrations.values():
                 with contextlib.suppress(Exception):

@@ -37,6 +37,7 @@ NIXL = "nixl"
 MAX_DIRECT_RUNS = 8
 DEFAULT_STAGING_SHARE = 8  # the staging area's default size: this fraction of the pool's bytes...
 DEFAULT_STAGING_MAX_BYTES = 2 << 30  # ...at most
+PROBE_BYTES = 256
 
 
 class NixlReceivePlane(ReceivePlane):
@@ -63,6 +64,8 @@ class NixlReceivePlane(ReceivePlane):
         try:
             pool = self.agent.register(kv)
             self.staging = Arena(self.agent, staging_bytes, kv.device) if staging_bytes else None
+            self._probe = torch.zeros(PROBE_BYTES, dtype=torch.uint8, device=kv.device)  # each pairing's first WRITE
+            probe = self.agent.register(self._probe)
             metadata = self.agent.metadata()  # NOTE: after every registration: it carries them
         except BaseException:
             self.agent.close()
@@ -72,7 +75,9 @@ class NixlReceivePlane(ReceivePlane):
                        "pool": {"addr": pool.addr, "nbytes": pool.nbytes, "device": pool.device,
                                 "mem_type": pool.mem_type, "shape": list(kv.shape), "dtype": layout.dtype},
                        "staging": None if staging is None else {"addr": staging.addr, "nbytes": staging.nbytes,
-                                                                "device": staging.device, "mem_type": staging.mem_type}}
+                                                                "device": staging.device, "mem_type": staging.mem_type},
+                       "probe": {"addr": probe.addr, "nbytes": probe.nbytes, "device": probe.device,
+                                 "mem_type": probe.mem_type}}
         self._blocks: dict[Room, Block] = {}  # staged rooms' blocks, until nothing writes or reads them (lock held)
         self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None  # scatters beside the decode steps
 

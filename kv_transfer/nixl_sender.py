@@ -31,7 +31,7 @@ import torch
 from .base import KVTransferError, TransferState
 from .control_sender import RoomHandle
 from .cuda_ipc_pairing import pool_slots
-from .nixl_agent import Arena, Block, NixlAgent, Region, device_id
+from .nixl_agent import Arena, Block, NixlAgent, Region, Registered, device_id
 from .pages import plan_pages
 from .plane import SendPairing, SendPlane
 from .wire import ABORT, BEGIN, GRANT, LAYER, ProtocolError
@@ -43,6 +43,7 @@ DEFAULT_SEND_ARENA_BYTES = 256 << 20  # rows of a few rooms' layers in flight; l
 _POLL_SPIN_S = 0.001  # a WRITE is polled back to back this long, then with short sleeps (the CPU is shared)
 _POLL_SLEEP_S = 0.0002
 _ABANDONED_WAIT_S = 5.0  # how long an ended connection waits for WRITEs it stopped polling before it lets them go
+_PROBE_BYTES = 256  # the pairing's first WRITE
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,20 @@ class RemoteMemory:
         return cls(*values, fields["mem_type"])
 
 
-def parse_hello_ok(hello_ok: dict[str, Any], layout) -> tuple[bytes, RemoteMemory, tuple[int, ...],
-                                                                Optional[RemoteMemory]]:
-    """(agent metadata, pool, pool shape, staging or None) from HELLO_OK, checked against `layout` before anything
-    of it reaches NIXL. ValueError says what is wrong."""
+@dataclass(frozen=True)
+class DecodeMemory:
+    """What a decode worker's HELLO_OK offers: its agent and the memory it registered."""
+
+    metadata: bytes  # its NIXL agent's
+    pool: RemoteMemory
+    pool_shape: tuple[int, ...]  # (layers, slots, kv_dim)
+    staging: Optional[RemoteMemory]  # where rooms with scattered pages are written; None: none
+    probe: RemoteMemory  # written once at pairing: proves the data path and makes UCX pick (and print) it
+
+
+def parse_hello_ok(hello_ok: dict[str, Any], layout) -> DecodeMemory:
+    """The decode worker's memory from HELLO_OK, checked against `layout` before anything of it reaches NIXL.
+    ValueError says what is wrong."""
     nixl = hello_ok.get("nixl")
     if not isinstance(nixl, dict) or not isinstance(nixl.get("agent"), str):
         raise ValueError("HELLO_OK for nixl without the decode worker's agent metadata")
@@ -87,7 +98,10 @@ def parse_hello_ok(hello_ok: dict[str, Any], layout) -> tuple[bytes, RemoteMemor
     if pool.nbytes != shape[0] * shape[1] * shape[2] * layout.torch_dtype.itemsize:
         raise ValueError(f"pool {shape} is not {pool.nbytes} bytes")
     staging = None if nixl.get("staging") is None else RemoteMemory.parse(nixl["staging"], "staging area")
-    return metadata, pool, tuple(shape), staging
+    probe = RemoteMemory.parse(nixl.get("probe"), "probe")
+    if not 0 < probe.nbytes <= _PROBE_BYTES:
+        raise ValueError(f"the probe is {probe.nbytes} bytes, not 1 to {_PROBE_BYTES}")
+    return DecodeMemory(metadata, pool, tuple(shape), staging, probe)
 
 
 class NixlPairing(SendPairing):
@@ -102,6 +116,7 @@ class NixlPairing(SendPairing):
         self.agent = NixlAgent(f"pdserve-prefill-{uuid.uuid4().hex[:12]}", backend)
         self.arena_bytes = arena_bytes
         self._arena: Optional[Arena] = None
+        self._probe: Optional[Registered] = None  # what each pairing's first WRITE reads
         self._lock = threading.Lock()
         # WRITEs that never resolved after their connection ended, with the memory they may still read: kept as
         # long as this sender, so that memory is never handed out again.
@@ -111,25 +126,57 @@ class NixlPairing(SendPairing):
         with self._lock:
             if self._arena is None:
                 self._arena = Arena(self.agent, self.arena_bytes, self.sender.device)
+                self._probe_source = torch.zeros(_PROBE_BYTES, dtype=torch.uint8, device=self.sender.device)
+                self._probe = self.agent.register(self._probe_source)
             return self._arena
 
     def open(self, endpoint: str, sock: Any, hello_ok: dict[str, Any]) -> SendPlane:
         if hello_ok.get("transport", NIXL) != NIXL:
             raise ProtocolError(f"HELLO_OK chose transport {hello_ok.get('transport')!r}; this sender asked for nixl")
         try:
-            metadata, pool, shape, staging = parse_hello_ok(hello_ok, self.sender.layout)
+            decode = parse_hello_ok(hello_ok, self.sender.layout)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         arena = self.arena()
         try:
-            peer = self.agent.add_peer(metadata)
+            peer = self.agent.add_peer(decode.metadata)
         except Exception as e:  # noqa: BLE001 (NIXL raises its own types)
             raise KVTransferError("unreachable", f"NIXL could not connect to decode KV endpoint {endpoint}'s agent: "
                                                  f"{e}") from None
-        ucx = self.agent.transport(peer)
-        logger.info("KV pair with decode %s: over nixl (UCX: %s), its pool %s %s", endpoint, ucx, shape,
-                    pool.mem_type)
-        return NixlSendPlane(self, peer, ucx, pool, shape, staging, arena)
+        try:
+            ucx = self._first_write(endpoint, peer, decode.probe)
+        except BaseException:
+            self.agent.remove_peer(peer)
+            raise
+        logger.info("KV pair with decode %s: over nixl (UCX: %s), its pool %s %s", endpoint, ucx, decode.pool_shape,
+                    decode.pool.mem_type)
+        return NixlSendPlane(self, peer, ucx, decode, arena)
+
+    def _first_write(self, endpoint: str, peer: str, probe: RemoteMemory) -> str:
+        """One small WRITE into the decode worker's probe: the pairing's data path works before any room relies on
+        it, its set-up cost is paid here rather than by the first room, and UCX has picked (and printed) its
+        transports for writes between these memories: what this returns."""
+        src = self._probe
+        local_mem = src.mem_type
+        what = f"decode KV endpoint {endpoint}: a first NIXL WRITE into its memory"
+        try:
+            xfer = self.agent.write(peer, [(src.addr, probe.nbytes, src.device)],
+                                    [(probe.addr, probe.nbytes, probe.device)], local_mem, probe.mem_type, b"")
+        except Exception as e:  # noqa: BLE001 (NIXL refused the descriptors or could not post them)
+            raise KVTransferError("unreachable", f"{what} could not start: {e}") from None
+        deadline = time.monotonic() + self.sender.connect_timeout_s
+        while (state := self.agent.state(xfer)) == "PROC" and time.monotonic() < deadline:
+            time.sleep(_POLL_SLEEP_S)
+        ucx = self.agent.transport(peer, local_mem, probe.mem_type)
+        if state != "DONE":
+            if state == "PROC":
+                self.leaked.append((xfer, None))  # its source is the probe, registered for the sender's life
+            else:
+                self.agent.release(xfer)
+            raise KVTransferError("unreachable", f"{what} {'failed' if state == 'ERR' else 'did not complete'} "
+                                                 f"(UCX: {ucx})")
+        self.agent.release(xfer)
+        return ucx
 
     def close(self) -> None:
         self.agent.close()
@@ -161,10 +208,9 @@ class NixlSendPlane(SendPlane):
     # WRITE overlaps the layers still being computed.
     streams_layers = True
 
-    def __init__(self, pairing: NixlPairing, peer: str, ucx: str, pool: RemoteMemory, pool_shape: tuple[int, ...],
-                 staging: Optional[RemoteMemory], arena: Arena):
+    def __init__(self, pairing: NixlPairing, peer: str, ucx: str, decode: DecodeMemory, arena: Arena):
         self.pairing, self.agent, self.peer, self.ucx = pairing, pairing.agent, peer, ucx
-        self.pool, self.pool_shape, self.staging, self.arena = pool, pool_shape, staging, arena
+        self.pool, self.pool_shape, self.staging, self.arena = decode.pool, decode.pool_shape, decode.staging, arena
         self.device = arena.tensor.device
         self.local_mem = "VRAM" if self.device.type == "cuda" else "DRAM"
         self._abandoned: list[tuple[Any, Any]] = []  # (WRITE, what it reads) left in flight when the link broke
@@ -361,4 +407,4 @@ class _OwnRegistration:
         self.agent.deregister(self.registered)
 
 
-__all__ = ["NIXL", "NixlPairing", "NixlSendPlane", "RemoteMemory", "parse_hello_ok"]
+__all__ = ["NIXL", "DecodeMemory", "NixlPairing", "NixlSendPlane", "RemoteMemory", "parse_hello_ok"]

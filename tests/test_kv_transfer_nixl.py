@@ -5,6 +5,7 @@ a separate sender process. NIXL is a test extra: these tests run, they never ski
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -177,7 +178,8 @@ def test_rows_beyond_the_arena_still_land(cleanup, arena_bytes):
     arena = s.pairing.arena()
     del h
     wait_until(lambda: arena.free_bytes == arena.nbytes)
-    assert not s.pairing.agent._registrations.keys() - {arena.registered.addr}, "a WRITE's own registration stayed"
+    assert s.pairing.agent._registrations.keys() == {arena.registered.addr, s.pairing._probe.addr}, \
+        "a WRITE's own registration stayed"
 
 
 def test_a_run_of_layers_larger_than_half_the_arena_goes_as_several_writes(cleanup):
@@ -287,11 +289,32 @@ def test_a_malformed_hello_ok_is_a_protocol_error_before_nixl_sees_it(cleanup, n
 
 
 def test_metadata_of_no_agent_is_unreachable(cleanup):
-    listener, t = fake_decode({"transport": "nixl", "nixl": {"agent": "AAAA", "pool": GOOD_POOL}})
+    probe = {"addr": 4096, "nbytes": 256, "device": 0, "mem_type": "DRAM"}
+    listener, t = fake_decode({"transport": "nixl", "nixl": {"agent": "AAAA", "pool": GOOD_POOL, "probe": probe}})
     with listener:
         with pytest.raises(KVTransferError) as err:
             nixl_sender(cleanup).begin(f"127.0.0.1:{listener.getsockname()[1]}", 1, LAYERS, dst_pages=[0])
     assert err.value.kind == "unreachable" and "NIXL" in str(err.value)
+
+
+def test_a_pairing_whose_first_write_fails_is_unreachable(cleanup):
+    """At pairing the sender WRITEs the decode worker's probe once: memory it cannot write (here: an address the
+    decode agent never registered) fails the pairing, not the first room."""
+    agent = NixlAgent("pdserve-test-decode")
+    pool = torch.zeros(LAYERS, 64, KV_DIM)
+    try:
+        reg = agent.register(pool)
+        nixl = {"agent": base64.b64encode(agent.metadata()).decode(),
+                "pool": {**GOOD_POOL, "addr": reg.addr},
+                "probe": {"addr": reg.addr + reg.nbytes + (1 << 20), "nbytes": 256, "device": 0, "mem_type": "DRAM"}}
+        listener, t = fake_decode({"transport": "nixl", "nixl": nixl})
+        with listener:
+            with pytest.raises(KVTransferError) as err:
+                nixl_sender(cleanup).begin(f"127.0.0.1:{listener.getsockname()[1]}", 1, LAYERS, dst_pages=[0])
+        assert err.value.kind == "unreachable" and "a first NIXL WRITE into its memory" in str(err.value)
+        assert (pool == 0).all()
+    finally:
+        agent.close()
 
 
 def test_a_missing_nixl_names_the_extra_when_the_worker_starts(monkeypatch):
