@@ -40,8 +40,8 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              each target met or missed (benchmarks/pd_report.py) (~15 min: more than one device call; PD_LAYOUTS
              picks the layouts, e.g. PD_LAYOUTS="auto nccl" then "tcp colocated long")
   kv         two GPUs: the two-GPU tests (the engine on the last GPU, prefill on GPU 0 and decode on GPU 1 over each
-             transport, the NCCL transport's own) and bench_kv_transfer.py GPU 0 -> GPU 1 for cuda_ipc and nccl
-             against a peer copy (on one GPU it says so and exits 0) (~8 min)
+             transport, the NCCL and NIXL transports' own) and bench_kv_transfer.py GPU 0 -> GPU 1 for cuda_ipc, nccl
+             and nixl against a peer copy (on one GPU it says so and exits 0) (~10 min)
   overlap    overlap scheduling on and off through the product: bench_serving.py on the demo model at concurrency 1
              and 32, once as shipped and once with --disable-overlap-schedule on both sides (~3 min)
   ttft       where a prompt's time goes: the prefill step in one process (engine, + hooks, the worker's own) with
@@ -83,6 +83,9 @@ setup_env() {  # the carried wheels (FlashInfer, DeepGEMM, redis, grpc health) a
       .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH || echo "note: the wheels in .whl/ did not install (above)"
   else
     echo "note: no .whl/*.whl (bash ../shared/tools/gpu-wheels.sh, then carry .whl): FlashInfer and DeepGEMM cases skip"
+  fi
+  if [ -f .whl/nixl-slim.tar.xz ]; then  # NIXL (nixl_cu13) with its UCX backend only, as gpu-wheels.sh slims it
+    mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/nixl-slim.tar.xz && export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
 }
 
@@ -287,14 +290,16 @@ suite_ttft() {  # prefill_stages.json, up.log, bench_c<C>.json, prefill_c<C>.raw
   kill -INT "$up"; wait "$up"
 }
 
-suite_kv() {  # two GPUs: kv.log, kv_nccl.json, kv_cuda_ipc.json
+suite_kv() {  # two GPUs: kv.log, kv_nccl.json, kv_cuda_ipc.json, kv_nixl.json
   local d=$1
   shift
-  step 420 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_two_gpus.py tests/test_gpu_kv_nccl.py
+  step 420 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_two_gpus.py tests/test_gpu_kv_nccl.py \
+    tests/test_gpu_kv_nixl.py
   # A 61-layer room of DeepSeek-V3 latent KV, GPU 0 -> GPU 1, 4k and 16k tokens, contiguous and shuffled pages, the
   # whole room in one send_layers and layer by layer, against a peer copy of the same bytes in the same run.
   step 200 python3 benchmarks/bench_kv_transfer.py --backend cuda_ipc --out "$d/kv_cuda_ipc.json" --iters 6 "$@"
   step 240 python3 benchmarks/bench_kv_transfer.py --backend nccl --out "$d/kv_nccl.json" --iters 6 "$@"
+  step 200 python3 benchmarks/bench_kv_transfer.py --backend nixl --out "$d/kv_nixl.json" --iters 6 "$@"
 }
 
 suite_pd() {  # two GPUs: pd.log, pd.md, pd_auto/ pd_nccl/ pd_tcp/ colocated/ long/ (each bench_serving.py's files)
