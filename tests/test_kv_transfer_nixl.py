@@ -69,7 +69,8 @@ def grants(decode: Decode) -> list:
     """The GRANT answers the decode worker sends from now on."""
     seen = []
     reply = decode.receiver.reply
-    decode.receiver.reply = lambda peer, header: (header["kind"] == "GRANT" and seen.append(header), reply(peer, header))
+    decode.receiver.reply = lambda peer, header: (header["kind"] == "GRANT" and seen.append(header),
+                                                  reply(peer, header))
     return seen
 
 
@@ -455,6 +456,27 @@ def test_a_sender_that_never_releases_loses_its_pairing(cleanup):
     h2, pages = send(s, decode, 32)  # the sender pairs again
     h2.wait(timeout=10)
     assert landed(decode, 32, pages)
+
+
+def test_a_write_in_err_fails_the_room_peer_failed_and_the_next_room_pairs_again(cleanup):
+    """NIXL reports a WRITE in ERR when the link under it failed: the pairing ends (its rooms fail peer_failed on
+    both sides, the decode pages are released) and the next room makes a new one."""
+    decode = nixl_decode(cleanup)
+    s = nixl_sender(cleanup)
+    send(s, decode, 1)[0].wait(timeout=10)  # pairs
+    agent, state = s.pairing.agent, s.pairing.agent.state
+    agent.state = lambda xfer: "ERR"  # fault: the link under the WRITEs fails
+    h, _ = send(s, decode, 2)
+    with pytest.raises(KVTransferError) as err:
+        h.wait(timeout=10)
+    assert err.value.kind == "peer_failed" and "NIXL WRITE" in str(err.value)
+    decode.rec.wait_for(lambda: decode.rec.failed)
+    (room, error, _), = decode.rec.failed
+    assert room == 2 and error.kind == "peer_failed"
+    agent.state = state
+    h, pages = send(s, decode, 3)
+    h.wait(timeout=10)
+    assert landed(decode, 3, pages) and decode.idle
 
 
 # ---- real processes ------------------------------------------------------------------------------------------------
