@@ -131,7 +131,7 @@ def placement(args: argparse.Namespace) -> "Placement":
 
 
 # --decode-gpu-share auto, when a decode worker shares its GPU with a prefill worker: while prompts wait and the GPU is
-# contended, a decode step's GPU time is at most a third of the time between steps (benchmarks/results, pacing).
+# contended, a decode step's GPU time is at most a third of the time between steps (benchmarks/results, knobs).
 SHARED_GPU_DECODE_SHARE = 1 / 3
 
 
