@@ -155,7 +155,7 @@ class CollectiveReceivePlane(ReceivePlane):
     def _landed(self, r: Room, layers: list[int], error: Optional[str]) -> None:
         """The pair's reaper thread: the block's receive (and its scatter) resolved."""
         ch = self.channel
-        with ch.lock:
+        with ch.answering(), ch.lock:
             r.inflight -= 1
             if ch.draining.get(r.room) is r:
                 if r.inflight == 0:

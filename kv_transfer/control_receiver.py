@@ -3,12 +3,13 @@ deadlines, aborts, the AUX record and the answers to the senders; the pairing's 
 rows in the reserved pages.
 
 Threads (all daemons): one accept thread, one thread per sender connection (reads frames, delivers on_layer /
-on_done and the failures it detects), one timer thread (room deadlines, draining rooms), one notifier thread
-(writes ROOM_DONE / ROOM_FAILED and the planes' answers to senders, so no caller ever blocks on a slow peer).
+on_done and the failures it detects, writes its answers: `answering`), one timer thread (room deadlines, draining
+rooms), one notifier thread (writes the answers other threads make, so no caller ever blocks on a slow peer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import math
@@ -124,6 +125,7 @@ class KVReceiverChannel(KVReceiver):
         self._handshaking: dict[str, int] = {}  # host -> its connections not yet through the handshake
         self.refused_connections = 0  # closed at accept: their host had too many handshakes pending
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._local = threading.local()  # .pending: the replies of a thread inside answering()
         self._stop = threading.Event()
         self.plane = self.plane_cls(self, **plane_options)  # NOTE: before accepting: the threads call it
         self._listener = socket.create_server((host, port))
@@ -276,8 +278,26 @@ class KVReceiverChannel(KVReceiver):
             self._call(self._on_failed, r.room, self._room_error(r, *r.owed))
 
     def reply(self, peer: Peer, header: dict[str, Any]) -> None:
-        """Send `header` to the sender from the notifier thread."""
-        self._outbox.put((peer, header))
+        """Send `header` to the sender: inside `answering()`, from this thread once it leaves it; otherwise from the
+        notifier thread, so that no caller (the decode engine's thread, the timer) waits for a slow peer."""
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            self._outbox.put((peer, header))
+        else:
+            pending.append((peer, header))
+
+    @contextlib.contextmanager
+    def answering(self):
+        """The replies made inside (GRANT, ROOM_DONE, ROOM_FAILED) go out from this thread, one of the receiver's own
+        (a connection's, a process group's), as it leaves, after the lock: a transfer's answers take no trip through
+        the notifier thread. Enter it without the lock held."""
+        pending = self._local.pending = []
+        try:
+            yield
+        finally:
+            self._local.pending = None
+            for peer, header in pending:
+                peer.send(header)
 
     def _drains(self, r: Room, notify: bool) -> bool:
         return r.conn is not None and r.conn.plane.drains(r, notify)
@@ -417,7 +437,8 @@ class KVReceiverChannel(KVReceiver):
                 header, payload = frame
                 if header["kind"] not in (AUX, ABORT) and header["kind"] not in conn.plane.frames:
                     raise ProtocolError(f"unexpected {header['kind']} frame")
-                self._on_data(conn, header["kind"], header, payload)
+                with self.answering():
+                    self._on_data(conn, header["kind"], header, payload)
         except ProtocolError as e:
             kind, why = "protocol", f"the prefill connection from {conn.addr} sent garbage ({e})"
         except OSError as e:

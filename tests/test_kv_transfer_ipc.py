@@ -268,7 +268,7 @@ def test_a_room_opened_without_connecting_is_announced_and_lands_like_any_other(
     send(s, decode, 41)[0].wait(timeout=5)  # pairs
     pages = decode.reserve(42, TOKENS)
     h = s.begin_if_paired(decode.receiver.endpoint, 42, LAYERS, dst_pages=pages)
-    assert h is not None and h.plane_state.granted.wait(5)  # BEGIN went without a row sent: the decode worker granted it
+    assert h is not None and h.plane_state.granted.wait(5)  # BEGIN went without a row: the decode worker granted it
     for layer in range(LAYERS):
         h.send_layer(layer, rows_of(42)[layer])
     h.finish(AUX)

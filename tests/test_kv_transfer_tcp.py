@@ -352,6 +352,30 @@ def test_decode_closed_mid_transfer_fails_the_sender(cleanup):
     assert err.value.kind == "peer_failed"
 
 
+def test_a_stalled_notifier_holds_up_no_transfer(cleanup):
+    """A transfer's answers (ROOM_DONE; cuda_ipc's GRANT) leave from its connection's own thread: the notifier thread,
+    held up writing to a peer that stopped reading, delays no other pairing's rooms."""
+    layout = make_layout()
+    receiver, rec = start_receiver(cleanup, layout)
+    unblock = threading.Event()
+
+    class StalledPeer:  # writing to it blocks, as to a socket whose peer no longer reads
+        def send(self, header):
+            unblock.wait(10)
+
+    receiver._outbox.put((StalledPeer(), {"kind": "ROOM_FAILED", "room": 0}))
+    try:
+        receiver.expect(1, 5, [0, 1], LAYERS)
+        h = start_sender(cleanup, layout).begin(receiver.endpoint, 1, LAYERS)
+        for layer in range(LAYERS):
+            h.send_layer(layer, torch.ones(5, KV_DIM))
+        h.finish({"first_token_id": 1, "cached_tokens": 0})
+        h.wait(timeout=3)
+        rec.wait_for(lambda: rec.done)
+    finally:
+        unblock.set()
+
+
 SENDER_SCRIPT = """
 import json, sys, time, torch
 from pdserve.kv_transfer import KVLayout, TcpKVSender
