@@ -198,6 +198,8 @@ class KVReceiverChannel(KVReceiver):
         for conn, t in conns.items():
             conn.shutdown()  # wakes its thread, which closes the socket
             t.join(timeout=2.0)
+        with self.lock:
+            self._release_ended_locked(lambda r: True)  # (a connection's thread that did not end in time)
         self.plane.close()
 
     # ---- rooms, for the data planes too (with `lock` held) ----
@@ -298,6 +300,11 @@ class KVReceiverChannel(KVReceiver):
             self._local.pending = None
             for peer, header in pending:
                 peer.send(header)
+
+    def _release_ended_locked(self, which: Callable[[Room], bool]) -> None:
+        """The draining rooms of `which` whose connection ended, where the sender's writes went with it."""
+        for r in [r for r in self.draining.values() if which(r) and r.conn.plane.released_by_abort]:
+            self.release_locked(r)
 
     def _drains(self, r: Room, notify: bool) -> bool:
         return r.conn is not None and r.conn.plane.drains(r, notify)
@@ -450,6 +457,7 @@ class KVReceiverChannel(KVReceiver):
                 self._conns.pop(conn, None)
                 for r in [r for r in self.rooms.values() if r.conn is conn]:
                     self.drop_locked(r, kind, f"room {r.room}: {why} after {r.progress()}", notify=False)
+                self._release_ended_locked(lambda r: r.conn is conn)
             if conn.plane is not None:
                 conn.plane.disconnected(conn)
             conn.sock.close()

@@ -88,21 +88,6 @@ class IpcReceivePlane(ReceivePlane):
         # The sender saw every copy complete before it sent AUX: the layers have landed.
         return room.announced if len(room.layers) == room.num_layers else ()
 
-    def disconnected(self, peer: Peer) -> None:
-        # Its rooms already failed: the draining ones are released now. NOTE: a sender whose process died took its
-        # queued copies with its CUDA context; one that is alive stops writing when its connection breaks and drains
-        # its stream before it drops the mapping.
-        self._release(lambda r: r.conn is peer)
-
-    def close(self) -> None:
-        self._release(lambda r: True)  # the connections are down: rooms still waiting for their sender's release
-
-    def _release(self, which) -> None:
-        ch = self.channel
-        with ch.lock:
-            for r in [r for r in ch.draining.values() if which(r)]:
-                ch.release_locked(r)
-
     def on_frame(self, peer: Peer, kind: str, room: int, header: dict[str, Any], payload: torch.Tensor) -> None:
         if kind == LAYER and payload.numel():
             raise ProtocolError("a cuda_ipc LAYER frame carries no rows")

@@ -97,7 +97,9 @@ class ReceivePlane(ABC):
 
     name: str  # what the rows travel over (see SendPlane.name)
     frames: tuple[str, ...] = (LAYER,)  # the frames it takes besides AUX and ABORT
-    released_by_abort = False  # a draining room's pages are free once its sender's ABORT came (cuda_ipc)
+    # The sender writes the pages itself (cuda_ipc): a draining room's pages are free once its sender's ABORT came
+    # (its writes completed) or its connection ended (a live sender stops writing, a dead one took them with it).
+    released_by_abort = False
 
     def __init__(self, channel: KVReceiverChannel):
         self.channel = channel
