@@ -10,8 +10,8 @@ requests get 503, those in flight finish). Errors have OpenAI's body `{"error": 
 "code"}}`: bad requests are 400, no KV room 429, no workers 503. A client that disconnects cancels its generation on
 both workers.
 
-Extensions beyond OpenAI's fields (as vLLM names them): `top_k`, `ignore_eos`, `stop_token_ids`, and
-`return_token_ids`, which adds the generated ids to each choice (`token_ids`).
+This module is the server (routes, middlewares, streaming, status codes); reading and checking a request's fields is
+router/openai_request.py, building the response objects router/openai_shapes.py.
 """
 
 from __future__ import annotations
@@ -21,48 +21,28 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
-import re
 import socket
 import ssl
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 import grpc
-import jinja2
 from aiohttp import web
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdserve.serving.auth import SecurityConfig, token_accepted
 from pdserve.serving.grpc_shell import Drain, ServiceError
-from pdserve.common.values import MAX_LOGPROBS, SamplingParams
 from pdserve.v1 import generate_pb2 as gen_pb
 
 from .health import router_health
-from .openai_shapes import Prompt, Reply, TokenText
-from .server import MAX_STOP_TOKEN_IDS, Router
+from .openai_request import (ChatTemplate, OpenAIError, ReadRequest, bad, from_service_error, read_body, read_chat,
+                             read_completion, unknown_model)
+from .openai_shapes import Reply, TokenText
+from .server import Router
 
 log = logging.getLogger(__name__)
 
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-               grpc.StatusCode.UNAVAILABLE: 503}
-ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-              405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
-# The router names the offending field first ("prompt: the prompt is empty"); in OpenAI's words:
-ROUTER_FIELDS = {"prompt": "prompt", "messages": "messages", "sampling_params.max_new_tokens": "max_tokens",
-                 "sampling_params.stop_token_ids": "stop_token_ids", "sampling_params.stop": "stop"}
-# Request fields pdserve cannot honour, with the values that mean "not used": anything else is a 400, not ignored.
-UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "frequency_penalty": (None, 0),
-               "presence_penalty": (None, 0), "response_format": (None, {"type": "text"})}
-MAX_N = 16  # choices per prompt (each is a generation of its own)
-MAX_PROMPTS = 256  # prompts in one /v1/completions request (its batch of strings or token-id lists)
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# Work that grows with the request runs on a thread beyond these sizes, so one large request does not hold the
-# event loop every other client waits on.
-INLINE_JSON_BYTES = 64 << 10
-INLINE_TEMPLATE_MESSAGES = 64
 # X-Accel-Buffering: a buffering reverse proxy (nginx) would otherwise hold tokens back until the end.
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -76,235 +56,6 @@ class OpenAIHttpConfig:
     shutdown_timeout_s: float = 1.0  # after the router's drain, which already waited for requests in flight
 
 
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def response(self) -> web.Response:
-        error_type = ERROR_TYPE.get(self.status, "server_error")
-        return web.json_response({"error": {"message": str(self), "type": error_type, "param": self.param,
-                                            "code": self.code}}, status=self.status)
-
-
-def bad(message: str, param: Optional[str] = None) -> OpenAIError:
-    return OpenAIError(400, message, param)
-
-
-def from_service_error(e: ServiceError) -> OpenAIError:
-    field = re.match(r"([\w.]+)(?:\[\d+\])?:", str(e))  # "prompt[3]:" names prompt 3 of a batch
-    param = ROUTER_FIELDS.get(field.group(1)) if field else None
-    return OpenAIError(HTTP_STATUS.get(e.code, 500), str(e), param, e.code.name.lower())
-
-
-class ChatTemplate:
-    """The model's `chat_template` from tokenizer_config.json, rendered as transformers does (sandboxed Jinja,
-    trim_blocks and lstrip_blocks, `raise_exception`)."""
-
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = self._raise
-        self._template = env.from_string(source)
-        self.bos_token, self.eos_token = bos_token, eos_token
-
-    @staticmethod
-    def _raise(message: str):
-        raise jinja2.TemplateError(message)
-
-    @classmethod
-    def from_model_dir(cls, path: Optional[str]) -> Optional["ChatTemplate"]:
-        """None when the directory has no tokenizer_config.json or it has no chat_template."""
-        config_file = os.path.join(path, "tokenizer_config.json") if path else ""
-        if not os.path.isfile(config_file):
-            return None
-        with open(config_file, encoding="utf-8") as f:
-            cfg = json.load(f)
-        source = cfg.get("chat_template")
-        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        if not source:
-            return None
-
-        def token(value: Any) -> str:
-            return value.get("content", "") if isinstance(value, dict) else (value or "")
-
-        return cls(source, token(cfg.get("bos_token")), token(cfg.get("eos_token")))
-
-    def render(self, messages: list[dict]) -> str:
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                         eos_token=self.eos_token)
-        except jinja2.TemplateError as e:
-            raise bad(f"messages: the chat template refused them: {e}", "messages") from None
-
-
-# ---- reading a request ----------------------------------------------------------------------------------------
-def _typed(body: dict, name: str, kinds: tuple, what: str, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise bad(f"{name} must be {what}, got {json.dumps(value)}", name)
-    return value
-
-
-def _number(body: dict, name: str, default: float) -> float:
-    try:
-        return float(_typed(body, name, (int, float), "a number", default))
-    except OverflowError:  # an integer beyond any float
-        raise bad(f"{name} must be a finite number", name) from None
-
-
-def _logprobs(body: dict, chat: bool) -> Optional[int]:
-    """Alternatives per token asked for (None: no logprobs). Completions: `logprobs` is that number; chat:
-    `logprobs` is a boolean and `top_logprobs` the number."""
-    if not chat:
-        value = _typed(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]")
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {value}", "logprobs")
-        return value
-    top = _typed(body, "top_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]")
-    if not _typed(body, "logprobs", (bool,), "a boolean", False):
-        if top is not None:
-            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-        return None
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
-    return top or 0
-
-
-def num_choices(body: dict) -> int:
-    n = _typed(body, "n", (int,), "an integer", 1)
-    if not 1 <= n <= MAX_N:
-        raise bad(f"n must be an integer in [1, {MAX_N}], got {n}", "n")
-    best_of = _typed(body, "best_of", (int,), "an integer", n)
-    if best_of != n:
-        raise bad("best_of: only best_of equal to n is supported (every generated choice is returned)", "best_of")
-    return n
-
-
-def sampling_params(body: dict, default_max_tokens: int, chat: bool = False) -> SamplingParams:
-    for name, unused in UNSUPPORTED.items():
-        if body.get(name) not in unused:
-            what = ("JSON output (response_format) is not implemented by pdserve; ask for JSON in the prompt or "
-                    "leave response_format out" if name == "response_format" else f"{name} is not supported by pdserve")
-            raise bad(what, name)
-    if chat and body.get("echo") not in (None, False):
-        raise bad("echo is only for /v1/completions", "echo")
-    logprobs = _logprobs(body, chat)
-    echo = not chat and _typed(body, "echo", (bool,), "a boolean", False)
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _typed(body, name, (int,), "an integer", default_max_tokens)
-    stop = _typed(body, "stop", (str, list), "a string or a list of strings", ())
-    stop_token_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids", [])
-    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before reading them
-        raise bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids (got {len(stop_token_ids)})", "stop_token_ids")
-    if any(not isinstance(t, int) or isinstance(t, bool) for t in stop_token_ids):
-        raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
-    try:
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0),
-            top_p=_number(body, "top_p", 1.0),
-            top_k=_typed(body, "top_k", (int,), "an integer", 0),
-            seed=_typed(body, "seed", (int,), "an integer"),
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=_typed(body, "ignore_eos", (bool,), "a boolean", False),
-            logprobs=logprobs,
-            prompt_logprobs=logprobs if echo else None)
-    except (ValueError, TypeError) as e:  # SamplingParams names its own field first
-        field = str(e).split(" ", 1)[0]
-        param = name if field == "max_new_tokens" else field
-        raise bad(str(e).replace("max_new_tokens", name), param) from None
-
-
-@dataclass(frozen=True)
-class StreamOptions:
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-
-
-def stream_options(body: dict) -> StreamOptions:
-    stream = _typed(body, "stream", (bool,), "a boolean", False)
-    options = _typed(body, "stream_options", (dict,), "an object", {})
-    if options and not stream:
-        raise bad("stream_options is only allowed with stream: true", "stream_options")
-    return StreamOptions(stream, bool(options.get("include_usage", False)),
-                         _typed(body, "return_token_ids", (bool,), "a boolean", False))
-
-
-def chat_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string role", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-            if any(not isinstance(p.get("text", ""), str) for p in content):
-                raise bad(f"messages[{i}].content: a text part's text must be a string", "messages")
-            content = "".join(p.get("text", "") for p in content)
-        if content is not None and not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({**m, "content": content or ""})
-    return out
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def completion_prompts(prompt: Any, router: Router) -> tuple[list, bool]:
-    """The prompts of a /v1/completions request, each a string or a list of token ids, and whether they came as a
-    batch (a list of strings or of token-id lists, as OpenAI and vLLM take them). Every length is checked before
-    the list it measures is read."""
-    def length(num_ids: int, field: str) -> None:
-        try:
-            router.check_length(num_ids, field)
-        except ServiceError as e:
-            raise from_service_error(e) from None
-
-    shape = "prompt must be a string, a list of token ids, or a list of either (one prompt each)"
-    if isinstance(prompt, str):
-        return [prompt], False
-    if not isinstance(prompt, list):
-        raise bad(shape, "prompt")
-    if not prompt or not isinstance(prompt[0], (str, list)):  # one prompt of token ids
-        length(len(prompt), "prompt")
-        if not _is_ids(prompt):
-            raise bad(shape, "prompt")
-        return [prompt], False
-    if len(prompt) > MAX_PROMPTS:
-        raise bad(f"prompt: at most {MAX_PROMPTS} prompts per request (got {len(prompt)})", "prompt")
-    kind = type(prompt[0])
-    for i, p in enumerate(prompt):
-        if type(p) is not kind:
-            raise bad(f"prompt[{i}]: a batch is all strings or all token-id lists, not both", "prompt")
-        if kind is list:
-            length(len(p), f"prompt[{i}]")
-            if not _is_ids(p):
-                raise bad(f"prompt[{i}] must be a list of token ids", "prompt")
-    return prompt, True
-
-
-async def prompt_ids(router: Router, prompt, field: str) -> list[int]:
-    """Router.encode_text (a string) / check_ids (token ids), their INVALID_ARGUMENT as a 400 (counted as a rejected
-    request)."""
-    try:
-        if isinstance(prompt, str):
-            return await router.encode_text(prompt, field)
-        return router.check_ids(prompt, field)
-    except ServiceError as e:
-        raise from_service_error(e) from None
-
-
-# ---- the server -----------------------------------------------------------------------------------------------
 class OpenAIFrontend:
     def __init__(self, router: Router, config: OpenAIHttpConfig, chat_template: Optional[ChatTemplate],
                  drain: Optional[Drain] = None):
@@ -330,18 +81,19 @@ class OpenAIFrontend:
         except OpenAIError as e:
             if e.status == 400:  # counted as the gRPC front counts its rejected requests
                 self.router.metrics.count(self.router.metrics.requests, outcome="rejected")
-            return e.response()
+            return error_response(e)
         except ServiceError as e:
-            return from_service_error(e).response()
+            return error_response(from_service_error(e))
         except web.HTTPException as e:  # unknown path, wrong method, body too large: same error shape
             if e.status < 400:
                 raise
-            return OpenAIError(e.status, e.reason, code=None).response()
+            return error_response(OpenAIError(e.status, e.reason, code=None))
         except ConnectionError:  # the client is gone: nobody to answer
             raise
         except Exception:  # a bug: still OpenAI's shape, the traceback in the log and no Python text in the body
             log.exception("%s %s failed", request.method, request.path)
-            return OpenAIError(500, "internal error (the router's log has the details)", code="internal").response()
+            return error_response(OpenAIError(500, "internal error (the router's log has the details)",
+                                              code="internal"))
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
@@ -379,8 +131,7 @@ class OpenAIFrontend:
         """GET /v1/models/{id} (the openai client's models.retrieve)."""
         card = self._model_card()
         if request.match_info["model_id"] != card["id"]:
-            raise OpenAIError(404, f"The model `{request.match_info['model_id']}` does not exist; this server "
-                                   f"serves `{card['id']}`", "model", "model_not_found")
+            raise unknown_model(request.match_info["model_id"], card["id"])
         return web.json_response(card)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -402,76 +153,22 @@ class OpenAIFrontend:
     async def _body(self, request: web.Request) -> dict:
         try:
             raw = await request.read()
-            # A large body is parsed on a thread: json.loads of megabytes would hold the loop every client waits on.
-            body = json.loads(raw) if len(raw) <= INLINE_JSON_BYTES else await asyncio.to_thread(json.loads, raw)
-        except json.JSONDecodeError as e:
-            raise bad(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-        except UnicodeDecodeError:
-            raise bad("the body is not valid JSON: it is not UTF-8 text") from None
-        except RecursionError:  # json's parser recurses once per nesting level
-            raise bad("the body is not valid JSON that pdserve accepts: arrays or objects are nested too deeply") \
-                from None
-        except ValueError as e:  # (after the two above, also ValueErrors) an integer literal past Python's limit
-            raise bad(f"the body is not valid JSON that pdserve accepts: {str(e).split(':')[0]}") from None
         except web.RequestPayloadError:  # a body its Content-Encoding does not describe (not gzip, say)
             raise bad(f"the body cannot be decoded as its Content-Encoding "
                       f"({request.headers.get('Content-Encoding', 'none')}) says") from None
-        if not isinstance(body, dict):
-            raise bad("the body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad("model is required: the id from GET /v1/models", "model")
-        if model != self._model_name():
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"`{self._model_name()}`", "model", "model_not_found")
-        return body
+        return await read_body(raw, self.router)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        n = num_choices(body)
-        given, batch = completion_prompts(body.get("prompt"), self.router)
-        if len(given) * n > self.router.config.max_concurrent_requests:
-            raise bad(f"prompt: {len(given)} prompts x n={n} are {len(given) * n} generations; this router runs at "
-                      f"most {self.router.config.max_concurrent_requests} requests at once "
-                      "(--max-concurrent-requests): send fewer per request", "prompt")
-        params = sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        echo = bool(body.get("echo"))
-        prompts = []
-        for i, prompt in enumerate(given):
-            field = f"prompt[{i}]" if batch else "prompt"
-            ids = await prompt_ids(self.router, prompt, field)
-            try:  # every prompt before any generation starts: a stream's status is known before its headers go out
-                self.router.check_params(params, len(ids))
-            except ServiceError as e:
-                raise from_service_error(e if not batch else ServiceError(e.code, f"{e} ({field})")) from None
-            # echo: the prompt as sent (text), or the text of its ids
-            text = (prompt if isinstance(prompt, str) else self.router.tokenizer.decode(ids) if self.router.tokenizer
-                    else "") if echo else None
-            prompts.append(Prompt(ids, text))
-        return await self._respond(request, "text_completion", "cmpl", prompts, params, stream_options(body), n)
+        read = await read_completion(await self._body(request), self.router)
+        return await self._respond(request, "text_completion", "cmpl", read)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        limit = self.router.model_info().max_context_length
-        if isinstance(body.get("messages"), list) and len(body["messages"]) > limit:  # before reading any of them
-            raise bad(f"messages: {len(body['messages'])} messages cannot fit the model's context of {limit} tokens",
-                      "messages")
-        messages = chat_messages(body)
-        if self.chat_template is None:
-            raise bad("this model has no chat_template in its tokenizer_config.json; use /v1/completions",
-                      "messages")
-        text = self.chat_template.render(messages) if len(messages) <= INLINE_TEMPLATE_MESSAGES else \
-            await asyncio.to_thread(self.chat_template.render, messages)
-        ids = await prompt_ids(self.router, text, "messages")
-        # OpenAI's default: as many tokens as the context (and this router's --max-new-tokens-limit) allows.
-        room = max(1, self.router.model_info().max_context_length - len(ids))
-        params = sampling_params(body, min(room, self.router.config.max_new_tokens_limit or room), chat=True)
-        return await self._respond(request, "chat.completion", "chatcmpl", [Prompt(ids)], params,
-                                   stream_options(body), num_choices(body))
+        read = await read_chat(await self._body(request), self.router, self.chat_template)
+        return await self._respond(request, "chat.completion", "chatcmpl", read)
 
-    async def _respond(self, request, kind: str, id_prefix: str, prompts: list[Prompt], params: SamplingParams,
-                       opts: StreamOptions, n: int = 1) -> web.StreamResponse:
+    async def _respond(self, request, kind: str, id_prefix: str, read: ReadRequest) -> web.StreamResponse:
         """n choices for each prompt: choice i*n + j is prompt i's j-th (its index in the response)."""
+        prompts, params, opts, n = read.prompts, read.params, read.options, read.n
         rid = uuid.uuid4().hex
         reply = Reply(kind, f"{id_prefix}-{rid}", self._model_name(), opts.return_token_ids,
                       TokenText(self.router.tokenizer), prompts, n)
@@ -523,9 +220,7 @@ class OpenAIFrontend:
                 if opts.include_usage:
                     await send(resp, reply.usage_chunk([usage[i] for i in sorted(usage)]))
             except ServiceError as e:  # the status is already sent: the error goes in the stream, as OpenAI's
-                err = from_service_error(e)
-                await send(resp, {"error": {"message": str(err), "type": ERROR_TYPE.get(err.status, "server_error"),
-                                            "param": err.param, "code": err.code}})
+                await send(resp, from_service_error(e).body())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -534,7 +229,7 @@ class OpenAIFrontend:
 async def merged(streams: list) -> AsyncIterator[tuple[int, gen_pb.GenerateResponse]]:
     """(choice index, message) from several generations as they arrive; the first failure ends it. Closing it
     cancels the generations still running."""
-    if len(streams) == 1:  # no tasks: the generation runs in the caller's task, as before
+    if len(streams) == 1:  # nothing to merge: the generation runs in the caller's task, with no task to cancel
         async with contextlib.aclosing(streams[0]) as only:
             async for msg in only:
                 yield 0, msg
@@ -565,6 +260,10 @@ async def merged(streams: list) -> AsyncIterator[tuple[int, gen_pb.GenerateRespo
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def error_response(e: OpenAIError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
 
 
 async def send(resp: web.StreamResponse, obj: dict) -> None:
