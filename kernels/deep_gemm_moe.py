@@ -88,16 +88,18 @@ class DeepGemmMoE(MoEBackend):
         """The Triton backend's fused routing (one kernel per layer), same contract as moe.select_experts."""
         return self._fallback.select_experts(router_logits, correction_bias, cfg)
 
-    def experts(self, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block):
+    def experts(self, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block, absent=False):
         if w13.dtype != FP8_DTYPE or x.shape[0] <= self.triton_max_tokens:
-            return self._fallback.experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block)
+            return self._fallback.experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block, absent)
         if tuple(block or ()) != (GROUP, GROUP):
             raise ValueError(f"DeepGEMM takes 128x128 FP8 blocks, got {block}")
         tokens, hidden = x.shape
         if tokens == 0:
             return torch.zeros_like(x)
         x_q, x_s = self._fp8.per_token_group_quant(x if x.stride(1) == 1 else x.contiguous())  # (T, H), (T, H/128)
-        if tokens <= self.masked_max_tokens:
+        # The masked layout has a slab per local expert and no place for another rank's pairs (absent): those
+        # batches take the contiguous layout, where such a pair simply holds no row.
+        if tokens <= self.masked_max_tokens and not absent:
             d2, row_of_pair = self._run_masked(x_q, x_s, topk_ids, w13, w2, w13_scale, w2_scale)
         else:
             d2, row_of_pair = self._run_contiguous(x_q, x_s, topk_ids, w13, w2, w13_scale, w2_scale)

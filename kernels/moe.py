@@ -71,8 +71,11 @@ class MoEBackend(ABC):
     @abstractmethod
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
-                block: Optional[tuple[int, int]]) -> torch.Tensor:
-        """x (T, H); topk_* (T, k); returns sum_k weight_k * expert_k(x) as (T, H) in x's dtype."""
+                block: Optional[tuple[int, int]], absent: bool = False) -> torch.Tensor:
+        """x (T, H); topk_* (T, k); returns sum_k weight_k * expert_k(x) as (T, H) in x's dtype.
+
+        absent: topk_ids may hold E = w13.shape[0], a pair whose expert lives on another rank (expert parallelism):
+        it adds nothing here and costs no expert computation (its weight is 0 too)."""
 
 
 MOE_BACKENDS: Registry[type[MoEBackend]] = Registry("moe")
@@ -82,10 +85,12 @@ MOE_BACKENDS: Registry[type[MoEBackend]] = Registry("moe")
 class TorchMoE(MoEBackend):
     """Reference: gather the tokens of each expert, SiLU-and-mul, scatter-add weighted outputs."""
 
-    def experts(self, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block):
+    def experts(self, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block, absent=False):
         out = torch.zeros_like(x)
         inter = w2.shape[-1]
         for e in torch.unique(topk_ids).tolist():
+            if e >= w13.shape[0]:
+                continue  # another rank's expert (absent)
             token_idx, slot = torch.where(topk_ids == e)  # tokens routed to e, and which of their k slots
             w13_e, w2_e = w13[e], w2[e]
             if w13_e.dtype == FP8_DTYPE:

@@ -8,6 +8,8 @@ The layout contract, shared by the Triton fused-MoE kernels and DeepGEMM's group
   expert_offsets[e + 1] (a multiple of block_m);
 - `expert_ids[b]` is the expert of rows [b * block_m, (b + 1) * block_m), -1 for blocks at or past
   `num_tokens_post_padded`;
+- a pair whose id is E (an expert on another rank, under expert parallelism) holds no row: its expert computes
+  nothing here, and `inverse_rows` gives it -1;
 - every buffer has a static size fixed by (T, top_k, E, block_m) alone:
   rows = round_up(P + min(E, P) * (block_m - 1), block_m), so the computation never syncs with the host and can
   be captured in a CUDA graph. (At most min(E, P) experts are non-empty, each padding fewer than block_m rows.)
@@ -94,11 +96,14 @@ def _align_plan_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, offsets_ptr, counts_
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _align_scatter_kernel(ids_ptr, sorted_ptr, offsets_ptr, cursor_ptr, num_pairs, BLOCK: tl.constexpr):
-    """Each pair takes the next free row of its expert's segment."""
+def _align_scatter_kernel(ids_ptr, sorted_ptr, offsets_ptr, cursor_ptr, num_pairs, num_experts,
+                          BLOCK: tl.constexpr):
+    """Each pair takes the next free row of its expert's segment; a pair of an absent expert (id num_experts)
+    takes none."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_pairs
     e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    ok = ok & (e < num_experts)
     slot = tl.atomic_add(cursor_ptr + e, 1, mask=ok)
     start = tl.load(offsets_ptr + e, mask=ok, other=0)
     tl.store(sorted_ptr + start + slot, offs, mask=ok)
@@ -128,7 +133,7 @@ def align_tokens_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
     if num_pairs:
         block = 256
         _align_scatter_kernel[(triton.cdiv(num_pairs, block),)](ids, sorted_ids, offsets, cursor, num_pairs,
-                                                                 BLOCK=block, num_warps=4)
+                                                                 num_experts, BLOCK=block, num_warps=4)
     return AlignedTokens(sorted_ids, expert_ids, ntpp, offsets, counts, block_m, num_pairs)
 
 
@@ -145,15 +150,19 @@ def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     rows = max_aligned_rows(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    # Bin E holds the pairs of absent experts (another rank's); it takes no rows.
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
     ends = padded.cumsum(0)
     starts = ends - padded
     order = torch.sort(flat, stable=True).indices  # pairs grouped by expert
     sorted_e = flat[order]
     rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
-    sorted_ids = torch.full((rows,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_ids[starts[sorted_e] + rank] = order.int()
+    sorted_ids = torch.full((rows + 1,), num_pairs, dtype=torch.int32, device=dev)  # [rows]: absent pairs' dump
+    sorted_ids[torch.where(sorted_e < num_experts, starts[sorted_e] + rank, rows)] = order.int()
+    sorted_ids = sorted_ids[:rows]
+    counts, ends, starts = counts[:num_experts], ends[:num_experts], starts[:num_experts]
     first_row = torch.arange(rows // block_m, device=dev) * block_m
     total = ends[-1:] if num_experts else torch.zeros(1, dtype=torch.long, device=dev)
     expert_ids = torch.searchsorted(ends, first_row, right=True)
@@ -163,9 +172,11 @@ def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
 
 
 def inverse_rows(aligned: AlignedTokens) -> torch.Tensor:
-    """(P,) int64: the row of the aligned layout that holds each pair (the inverse of sorted_token_ids)."""
+    """(P,) int64: the row of the aligned layout that holds each pair (the inverse of sorted_token_ids), -1 for a
+    pair of an absent expert."""
     rows = aligned.sorted_token_ids.numel()
-    inv = torch.empty(aligned.num_pairs + 1, dtype=torch.long, device=aligned.sorted_token_ids.device)
+    # -1: a pair of an absent expert, which no row holds.
+    inv = torch.full((aligned.num_pairs + 1,), -1, dtype=torch.long, device=aligned.sorted_token_ids.device)
     # Padding rows all write to the extra slot P, which is dropped.
     inv.scatter_(0, aligned.sorted_token_ids.long(), torch.arange(rows, device=inv.device))
     return inv[:aligned.num_pairs]

@@ -27,7 +27,7 @@ class TritonMoE(MoEBackend):
         self._kernels, self._routing = triton_moe_kernels, triton_routing
         self._device_name: Optional[str] = None
 
-    def experts(self, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block):
+    def experts(self, x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale, block, absent=False):
         if not x.is_cuda and not interpreter_requested():
             raise ValueError(f"the triton MoE backend needs CUDA tensors, got {x.device}; use --moe-backend torch "
                              "on the CPU (or TRITON_INTERPRET=1 before triton is first imported, for tests)")
@@ -36,7 +36,7 @@ class TritonMoE(MoEBackend):
         if self._device_name is None:
             self._device_name = device_name(x.device) if x.is_cuda else "cpu"
         return self._kernels.fused_experts(x, topk_weights, topk_ids, w13, w2, w13_scale, w2_scale,
-                                           device=self._device_name)
+                                           device=self._device_name, absent=absent)
 
     def select_experts(self, router_logits, correction_bias, cfg):
         """Fused routing (one kernel per layer), same contract as moe.select_experts."""

@@ -335,8 +335,9 @@ def _without_layout(gemm_cfg: dict) -> dict:
 
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
-                  config: Optional[dict] = None, device: Optional[str] = None) -> torch.Tensor:
-    """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x) as (T, H) in x's dtype (MoEBackend.experts)."""
+                  config: Optional[dict] = None, device: Optional[str] = None, absent: bool = False) -> torch.Tensor:
+    """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x) as (T, H) in x's dtype (MoEBackend.experts; absent:
+    ids may be E, another rank's expert, whose pairs take no row of the layout and add nothing)."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
@@ -386,7 +387,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     if fp8 and not fuse_quant:
         act, act_scale = per_token_group_quant(act)
 
-    per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    # An absent expert's pair is never written by the down GEMM: it must read as 0 in the sum.
+    per_pair = (torch.zeros if absent else torch.empty)(pairs, hidden, dtype=x.dtype, device=x.device)
     invoke_fused_moe_gemm(act, act_scale, w2, w2_scale, per_pair, None, topk_weights.reshape(-1).contiguous(),
                           aligned, 1, False, block_m, cfg["down"])
     return per_pair.view(tokens, top_k, hidden).sum(dim=1)
@@ -402,13 +404,16 @@ def _gather_combine_kernel(d_ptr, rows_ptr, w_ptr, out_ptr, H, stride_d, stride_
     for j in tl.static_range(TOP_K):
         row = tl.load(rows_ptr + t * TOP_K + j)
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        acc += w * tl.load(d_ptr + row * stride_d + offs, mask=ok, other=0.0).to(tl.float32)
+        # -1: a pair of an absent expert (another rank's), which adds nothing (a select, not a product: the row
+        # read in its place may hold anything)
+        val = tl.load(d_ptr + tl.maximum(row, 0) * stride_d + offs, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.where(row >= 0, w * val, 0.0)
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def gather_combine(d: torch.Tensor, row_of_pair: torch.Tensor, topk_weights: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
-    """out[t] = sum_j topk_weights[t, j] * d[row_of_pair[t * top_k + j]]  -> (T, H)."""
+    """out[t] = sum_j topk_weights[t, j] * d[row_of_pair[t * top_k + j]]  -> (T, H); a row of -1 adds nothing."""
     tokens, top_k = topk_weights.shape
     hidden = d.shape[1]
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=d.device)

@@ -238,22 +238,24 @@ class MoE(nn.Module):
         if self.ep:
             weights, ids = self._experts_here(weights, ids)
         y = self.kernels.moe.experts(x, weights, ids, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
-                                     self.block)  # (T, D); under TP this rank's partial sum
+                                     self.block, absent=self.ep)  # (T, D); under TP or EP this rank's partial sum
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return self.tp.all_reduce(y) if self.tp.size > 1 else y
 
     def _experts_here(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert parallelism: the (token, slot) pairs of this rank's experts, in local ids. A pair of another
-        rank's expert weighs 0 here (that rank adds it) and is mapped onto a local expert, spread over them, so that
-        every backend takes it as it is.
+        """Expert parallelism: the (token, slot) pairs in this rank's local expert ids; a pair of another rank's
+        expert becomes the absent id E/tp (weight 0), which the MoE backend skips: this rank computes only its
+        experts' pairs, and the all-reduce adds the other ranks'.
 
-        NOTE: those pairs are still computed here (no MoE backend skips a pair yet): this EP splits the experts'
-        memory over the ranks, not their compute."""
+        NOTE: every rank routes every token (the gate is replicated) and the all-reduce sums outputs of all tokens,
+        rather than dispatching each token to the ranks of its experts (all-to-all) and combining back: on one
+        host the MoE's input is already on every rank (TP's all-reduce or DP attention's all-gather put it there),
+        so a dispatch would move no less data, and the one all-reduce is the one TP already does."""
         here_n = self.w13.shape[0]
         local = ids - self.first_expert  # (T, k)
         here = (local >= 0) & (local < here_n)
-        return weights * here, local.remainder(here_n)
+        return weights * here, torch.where(here, local, here_n)
 
     def shard(self, name: str, dest: torch.Tensor) -> Optional[Shard]:
         """Under TP w13 (and its scales) split along the intermediate rows of gate and of up, w2 along its columns;

@@ -469,3 +469,60 @@ def test_deep_gemm_backend_with_torch_contract_matches_reference(tokens, top_k, 
     assert rel_err(out, fp8_moe_reference(x, weights, ids, w13q, s13, w2q, s2)) < 4e-2
     triton_out = triton_moe.TritonMoE().experts(x, weights, ids, w13q, w2q, s13, s2, (128, 128))
     assert rel_err(out, triton_out) < 4e-2
+
+
+# ---- expert parallelism: pairs of another rank's experts (the absent id E) ----------------------------------
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_absent_experts_take_no_rows(impl, block_m):
+    """A pair whose id is E holds no row of the aligned layout (its expert computes nothing here) and has row -1."""
+    gen = torch.Generator().manual_seed(block_m)
+    num_experts = 4  # this rank's; ids 4..7 are the other rank's, all given the absent id 4
+    ids = _random_ids(13, 3, 2 * num_experts, gen)
+    here = ids < num_experts
+    local = torch.where(here, ids, num_experts)
+    align = moe_align.align_tokens_layout if impl == "triton" else moe_align.align_tokens_torch
+    a = align(local, num_experts, block_m)
+    ref = moe_align.align_tokens_torch(ids[here][:, None], num_experts, block_m)  # the local pairs alone
+    assert torch.equal(a.expert_counts, ref.expert_counts) and torch.equal(a.num_tokens_post_padded,
+                                                                           ref.num_tokens_post_padded)
+    inv = moe_align.inverse_rows(a)
+    assert torch.equal(inv < 0, ~here.reshape(-1))
+    assert torch.equal(a.sorted_token_ids[inv[here.reshape(-1)]].long(), torch.nonzero(here.reshape(-1))[:, 0])
+
+
+@pytest.mark.parametrize("path", ["torch", "fused", "fp8", "fp8-contiguous-down", "deep_gemm-masked",
+                                  "deep_gemm-contiguous"])
+def test_absent_experts_add_nothing(path):
+    """Another rank's pairs, given weights that are NOT zero, contribute nothing: the backend skips them (it does
+    not compute them at weight 0), so the output is the local pairs' alone."""
+    gen = torch.Generator().manual_seed(7)
+    num_experts, inter, hidden, tokens, top_k = 4, 128, 128, 9, 3
+    w13, w2 = _experts(num_experts, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = _random_ids(tokens, top_k, 2 * num_experts, gen)
+    here = ids < num_experts
+    local = torch.where(here, ids, num_experts)
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.5
+    only_here = (weights * here, torch.where(here, ids, 0))  # the same sum through valid ids at weight 0
+    if path in ("torch", "fused"):
+        backend = TorchMoE() if path == "torch" else triton_moe.TritonMoE()
+        out = backend.experts(x, weights, local, w13, w2, None, None, None, absent=True)
+        want = moe_reference(x, *only_here, w13, w2)
+        assert rel_err(out, want) < 1e-5
+        return
+    (w13q, s13), (w2q, s2) = block_quant(w13), block_quant(w2)
+    if path.startswith("deep_gemm"):
+        backend = deep_gemm_moe.DeepGemmMoE(ops=deep_gemm_moe.TorchDeepGemmOps(),
+                                            masked_max_tokens=128 if path.endswith("masked") else 0)
+        out = backend.experts(x, weights, local, w13q, w2q, s13, s2, (128, 128), absent=True)
+        want = backend.experts(x, *only_here, w13q, w2q, s13, s2, (128, 128))
+        assert rel_err(out, want) < 1e-6
+        return
+    cfg = None
+    if path == "fp8-contiguous-down":
+        gate_up = dict(BLOCK_N=256, BLOCK_K=128, GROUP_M=2, num_warps=4, num_stages=2)
+        cfg = {"BLOCK_M": 64, "gate_up": gate_up, "down": dict(gate_up, BLOCK_N=128, LAYOUT="contiguous")}
+    out = triton_moe_kernels.fused_experts(x, weights, local, w13q, w2q, s13, s2, config=cfg, absent=True)
+    assert rel_err(out, fp8_moe_reference(x, *only_here, w13q, s13, w2q, s2)) < 2e-3
