@@ -37,7 +37,7 @@ from .replay_clock import time_replays
 # back on a GPU the prefill worker leaves idle (its forward host-bound, as the demo model's is), a step gives nothing
 # to the prompts and costs inter-token latency. Both limits, because neither alone tells contention apart:
 # - a small graph launched onto an idle stream reads long (the GPU passes its start event before the host has
-#   submitted the graph), enough to pass the ratio on a tiny model's ~0.1 ms replays;
+#   submitted the graph), enough to pass the ratio on a tiny model's short replays;
 # - a graph's first replays can be its fastest by far (presumably the clocks leaving their boost): later ones alone
 #   read a little over them, far less than beside a busy process (tests/test_gpu_pacing.py checks the difference).
 CONTENDED_STRETCH = 1.25

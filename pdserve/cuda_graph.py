@@ -7,9 +7,8 @@ feeding the next on the GPU (SGLang's multi-step draft graph), so a round pays o
 and the drafts stay on the device until the verification's acceptance reads them back.
 
 A decode step at small batch is launch-bound (hundreds of small kernels per layer); replaying a captured graph
-removes that overhead (SGLang: DeepSeek-V3 at batch 1 went from 7 to 31 tok/s). Everything a graph reads lives in
-static buffers that are refilled before each replay; padded rows decode a dummy token into the pool's scratch page,
-so they never touch a real request's KV.
+removes that overhead. Everything a graph reads lives in static buffers that are refilled before each replay; padded
+rows decode a dummy token into the pool's scratch page, so they never touch a real request's KV.
 """
 
 from __future__ import annotations

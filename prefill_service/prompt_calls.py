@@ -4,8 +4,8 @@ the answers that finish together in one message.
 
 Why a call that stays open: a new call costs both processes an HTTP/2 stream, a call object, a task and the
 interceptors, on the prefill worker's event loop while the engine thread wants the GIL; a message on an open call
-costs about half as much after the same idle (benchmarks/grpc_hop.py measures both). A prompt crosses two such hops to
-its first token (router -> prefill worker and back).
+pays none of those (benchmarks/grpc_hop.py measures both). A prompt crosses two such hops to its first token
+(router -> prefill worker and back).
 
 What a prompt does, and how it fails, is PrefillServicer.prefill's (passed in): this file carries messages and hands
 each prompt its bind. Everything here runs on the event loop.

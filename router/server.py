@@ -50,8 +50,9 @@ MAX_ID_BYTES = 6
 MAX_UNKNOWN_FIELD_BYTES = 64 << 10  # fields of a newer GenerateRequest this router does not know
 _REQUEST_FIELDS = {f.number: f.name for f in gen_pb.GenerateRequest.DESCRIPTOR.fields}
 _PARAMS_FIELDS = {f.number: f.name for f in gen_pb.SamplingParams.DESCRIPTOR.fields}
-# Text prompts up to this many characters are tokenized on the event loop (well under a millisecond); longer ones
-# on the tokenizer threads, without the GIL, so that a long prompt never holds up other requests.
+# Text prompts up to this many characters are tokenized on the event loop, where a hand-off to a thread would cost
+# more than the encoding; longer ones on the tokenizer threads, without the GIL, so that a long prompt never holds up
+# other requests.
 INLINE_TOKENIZE_CHARS = 16384
 # A prompt longer than the context times the longest token times this is refused before tokenizing: it cannot fit
 # (the margin covers normalizers that drop characters).
