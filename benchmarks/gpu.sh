@@ -35,10 +35,10 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              on the one GPU, alternating (1, 2, 1, 2): bench_serving.py at concurrency 32 and 128 and prompts only,
              the engine alone after each stack (~3 min)
   pd         two GPUs: the V3 slice (2048 in / 64 out) through `pdserve up` with prefill on GPU 0 and decode on GPU 1
-             over cuda_ipc (auto), nccl and tcp at concurrency 1 32 128, two colocated replicas (a prefill and a decode
-             worker on each GPU) at 32 and 128, 16k-token prompts at 1, the engine alone on one GPU; one table with
-             each target met or missed (benchmarks/pd_report.py) (~15 min: more than one device call; PD_LAYOUTS
-             picks the layouts, e.g. PD_LAYOUTS="auto nccl" then "tcp colocated long")
+             over cuda_ipc (auto), nccl, tcp and nixl at concurrency 1 32 128, two colocated replicas (a prefill and a
+             decode worker on each GPU) at 32 and 128, 16k-token prompts at 1, the engine alone on one GPU; one table
+             with each target met or missed (benchmarks/pd_report.py) (~18 min: more than one device call; PD_LAYOUTS
+             picks the layouts, e.g. PD_LAYOUTS="auto nccl nixl" then "tcp colocated long")
   kv         two GPUs: the two-GPU tests (the engine on the last GPU, prefill on GPU 0 and decode on GPU 1 over each
              transport, the NCCL and NIXL transports' own) and bench_kv_transfer.py GPU 0 -> GPU 1 for cuda_ipc, nccl
              and nixl against a peer copy (on one GPU it says so and exits 0) (~10 min)
@@ -309,18 +309,18 @@ suite_pd() {  # two GPUs: pd.log, pd.md, pd_auto/ pd_nccl/ pd_tcp/ colocated/ lo
   # go to every bench_serving.py run.
   local d=$1 v3=(--models v3 --cuda-graph-max-bs 128 --prompts-only-concurrency 0) apart=(--up-arg=--gpus=0,1) l
   shift
-  for l in ${PD_LAYOUTS:-auto nccl tcp colocated long}; do
+  for l in ${PD_LAYOUTS:-auto nccl tcp nixl colocated long}; do
     case $l in
       auto) step 330 python3 benchmarks/bench_serving.py --out "$d/pd_auto" "${v3[@]}" --concurrency 1 8 32 128 \
               --cold "${apart[@]}" "$@" ;;
-      nccl | tcp) step 150 python3 benchmarks/bench_serving.py --out "$d/pd_$l" "${v3[@]}" --concurrency 1 32 128 \
+      nccl | tcp | nixl) step 150 python3 benchmarks/bench_serving.py --out "$d/pd_$l" "${v3[@]}" --concurrency 1 32 128 \
               --skip-engine "${apart[@]}" --up-arg=--kv-transport=$l "$@" ;;
       colocated) step 150 python3 benchmarks/bench_serving.py --out "$d/colocated" "${v3[@]}" --concurrency 32 128 \
               --skip-engine --up-arg=--prefill=2 --up-arg=--decode=2 --up-arg=--prefill-gpus=0,1 \
               --up-arg=--decode-gpus=0,1 "$@" ;;
       long) step 200 python3 benchmarks/bench_serving.py --out "$d/long" "${v3[@]}" --concurrency 1 --num-prompts 4 \
               --v3-input-len 16384 --engine-arg=--max-model-len=16448 "${apart[@]}" "$@" ;;
-      *) echo "PD_LAYOUTS: unknown layout $l (auto nccl tcp colocated long)"; FAILED=1 ;;
+      *) echo "PD_LAYOUTS: unknown layout $l (auto nccl tcp nixl colocated long)"; FAILED=1 ;;
     esac
   done
   python3 benchmarks/pd_report.py "$d" | tee "$d/pd.md"

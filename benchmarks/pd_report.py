@@ -5,7 +5,7 @@ call; every target of the two-GPU issue marked met or missed, with why.
 
     python benchmarks/pd_report.py SUITE_DIR [--model v3] > SUITE_DIR/pd.md
 
-SUITE_DIR holds one folder per layout: pd_auto (cuda_ipc, and the engine alone), pd_nccl, pd_tcp, colocated, and
+SUITE_DIR holds one folder per layout: pd_auto (cuda_ipc, and the engine alone), pd_nccl, pd_tcp, pd_nixl, colocated, and
 long (16k-token prompts at concurrency 1, with the engine alone). A missing folder is a missing row.
 
 How each target is read:
@@ -25,9 +25,10 @@ import json
 import os
 from typing import Optional
 
-LAYOUTS = (("pd_auto", "PD, cuda_ipc (auto)"), ("pd_nccl", "PD, nccl"), ("pd_tcp", "PD, tcp"),
+LAYOUTS = (("pd_auto", "PD, cuda_ipc (auto)"), ("pd_nccl", "PD, nccl"), ("pd_tcp", "PD, tcp"), ("pd_nixl", "PD, nixl"),
            ("colocated", "2 colocated replicas"))
-GPU_TRANSPORTS = ("pd_auto", "pd_nccl")
+GPU_TRANSPORTS = ("pd_auto", "pd_nccl", "pd_nixl")
+SAME_HOST = ("pd_auto", "pd_nccl")  # what NIXL is held against: its TTFT and output within 5% of the best of these
 
 
 def load(suite: str, name: str, model: str) -> Optional[dict]:
@@ -142,6 +143,13 @@ def report(suite: str, model: str) -> str:
                 lines.append(f"| {label} not slower than tcp at c={c} (out tok/s, TTFT p50; 5% noise) | "
                              f"{g['output_token_throughput'] / t['output_token_throughput']:.2f}x out, "
                              f"{g['ttft']['median_ms'] / t['ttft']['median_ms']:.2f}x TTFT | {mark(not slower)} |")
+    for c in sorted({c for n, c in derived if n == "pd_nixl"}):
+        nixl, best = derived[("pd_nixl", c)]["run"], [derived[(n, c)]["run"] for n in SAME_HOST if (n, c) in derived]
+        if best:
+            out = nixl["output_token_throughput"] / max(r["output_token_throughput"] for r in best)
+            ttft = nixl["ttft"]["median_ms"] / min(r["ttft"]["median_ms"] for r in best)
+            lines.append(f"| PD, nixl within 5% of the best same-host GPU transport at c={c} (out tok/s, TTFT p50) | "
+                         f"{out:.2f}x out, {ttft:.2f}x TTFT | {mark(out >= 0.95 and ttft <= 1.05)} |")
     for c in (32, 128):
         pd, co = derived.get(("pd_auto", c)), derived.get(("colocated", c))
         if pd and co:

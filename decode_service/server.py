@@ -29,7 +29,8 @@ from pdserve.serving.metrics import Metrics, SpecMetrics
 from pdserve.serving.rpc_convert import layout_to_proto, sampling_from_proto
 from pdserve.serving.warmup import WarmupReport, warm_up_worker
 from pdserve.serving.worker_common import (
-    WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread, start_metrics,
+    WorkerControl, WorkerIdentity, check_nixl_backend, kv_layout, model_info, nixl_options, on_engine_thread,
+    start_metrics,
 )
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -57,6 +58,7 @@ class DecodeWorkerConfig:
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
     kv_transport: str = "tcp"
+    nixl_backend: Optional[str] = None  # --kv-transport nixl: NIXL's backend plugin (None: UCX)
     transfer_timeout_s: float = 300.0
     max_queued_requests: int = 256  # reserved requests waiting for their KV; beyond: RESOURCE_EXHAUSTED at once
     drain_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
@@ -69,6 +71,7 @@ class DecodeWorkerConfig:
     gpu_share_while_prefilling: float = 1.0
 
     def __post_init__(self) -> None:
+        check_nixl_backend(self.kv_transport, self.nixl_backend)
         if not self.min_step_interval_s >= 0:
             raise ValueError(f"min_step_interval_s must be >= 0 (got {self.min_step_interval_s})")
         if not 0 < self.gpu_share_while_prefilling <= 1:
@@ -100,7 +103,8 @@ class DecodeWorker:
             on_failed=lambda rid, err: self.loop.submit(lambda: self.engine.kv_failed(rid, err)),
             timeout_s=config.transfer_timeout_s, token=config.security.internal_token,
             max_room_tokens=self.core.pool.allocator.num_pages * self.core.pool.page_size,
-            kv_buffer=self.core.pool.kv)  # nccl/gloo/cuda_ipc write straight into the pool's pages; tcp too
+            kv_buffer=self.core.pool.kv,  # nccl/gloo/cuda_ipc write straight into the pool's pages; tcp too
+            **nixl_options(config.nixl_backend))
         self.kv_endpoint = self.receiver.endpoint
         layers = self.core.model_config.num_hidden_layers if self.skip_mtp_kv else self.layout.num_kv_layers
         self.engine = DecodeEngine(self.core, self.receiver, layers, deliver=self._deliver, on_end=self._ended,

@@ -27,7 +27,8 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, warm_up_worker
 from pdserve.serving.worker_common import (
-    WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread, start_metrics,
+    WorkerControl, WorkerIdentity, check_nixl_backend, kv_layout, model_info, nixl_options, on_engine_thread,
+    start_metrics,
 )
 
 from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob, PrefillResult
@@ -51,6 +52,7 @@ class PrefillWorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     kv_transport: str = "tcp"
+    nixl_backend: Optional[str] = None  # --kv-transport nixl: NIXL's backend plugin (None: UCX)
     # True: each layer's KV is sent as soon as its forward wrote it (overlapping the rest of the prefill);
     # False: all layers after the whole forward (--no-kv-layerwise, to measure what streaming saves in TTFT).
     kv_layerwise: bool = True
@@ -63,6 +65,7 @@ class PrefillWorkerConfig:
 
     def __post_init__(self) -> None:
         check_transport_device(self.kv_transport, self.engine.device)  # before the model loads
+        check_nixl_backend(self.kv_transport, self.nixl_backend)
 
 
 class PrefillWorker:
@@ -79,7 +82,8 @@ class PrefillWorker:
         self.layout = kv_layout(self.core, ships_mtp)
         sender_cls = TRANSPORTS.get(config.kv_transport).sender
         self.sender = sender_cls(self.layout, timeout_s=config.transfer_timeout_s,
-                                 token=config.security.internal_token, device=self.core.pool.kv.device)
+                                 token=config.security.internal_token, device=self.core.pool.kv.device,
+                                 **nixl_options(config.nixl_backend))
         self.engine = PrefillEngine(self.core, self.sender, on_blocks=self._held,
                                     max_queued=config.max_queued_requests, layerwise=config.kv_layerwise,
                                     on_first_tokens=self._deliver)

@@ -1,6 +1,7 @@
 """`pdserve up --kv-transport nixl` on the demo model, as a user starts it (UCX over DRAM on the CPU): greedy outputs
 equal to the single-process engine's token for token, one request at a time and many at once, the pools idle after,
-and the UCX transport logged at pairing and exported with the transfer metrics."""
+and the UCX transport logged at pairing and exported with the transfer metrics; --nixl-backend reaches the workers'
+agents, and a backend that cannot serve stops a worker at start."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def nixl_up(trained_model_dir, tmp_path_factory):
     # fp32: batches of other sizes round alike; small prefill steps: prompts are chunked, and the last chunk's layers
     # stream as their forward writes them.
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(trained_model_dir), "--port",
-                           str(port), "--no-http", "--metrics-port", "0", "--kv-transport", "nixl", "--dtype",
+                           str(port), "--no-http", "--metrics-port", "0", "--kv-transport", "nixl", "--nixl-backend", "UCX", "--dtype",
                            "float32", "--page-size", "4", "--num-pages", "512", "--max-num-batched-tokens", "16",
                            "--skip-warmup"], cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                           env=clean_env())
@@ -62,3 +63,22 @@ def test_the_ucx_transport_is_logged_at_pairing_and_labels_the_transfers(nixl_up
     assert metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total", transport="nixl") > 0
     assert metric(prefill.metrics_port, "pdserve_kv_transfer_links", transport="nixl", link=found.group(1)) == 1
     assert metric(prefill.metrics_port, "pdserve_kv_transfer_failures_total", transport="nixl") == 0
+
+
+def test_a_backend_nixl_does_not_have_stops_the_worker_at_start_naming_those_it_has(trained_model_dir):
+    run = subprocess.run([sys.executable, "-m", "pdserve", "prefill", "--model", str(trained_model_dir), "--device",
+                          "cpu", "--kv-transport", "nixl", "--nixl-backend", "NOSUCH", "--skip-warmup"],
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert re.search(r"pdserve prefill: error: NIXL has no NOSUCH backend here \(plugins: .*'UCX'", run.stderr), \
+        run.stderr[-2000:]
+
+
+def test_a_nixl_backend_without_the_nixl_transport_is_refused_before_any_worker_starts(trained_model_dir):
+    run = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(trained_model_dir), "--no-http",
+                          "--kv-transport", "tcp", "--nixl-backend", "UCX"],
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == \
+        "pdserve up: error: --nixl-backend UCX is for --kv-transport nixl (here: --kv-transport tcp)"
+    assert "worker" not in run.stdout

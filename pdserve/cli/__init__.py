@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require 'authorization: Bearer KEY' from clients of the router (repeatable: any of them)")
     ug.add_argument("--kv-transport", default="auto", choices=LazyChoices(serve.kv_transport_names),
                     help=serve.KV_TRANSPORT_HELP)
+    ug.add_argument("--nixl-backend", default=None, metavar="NAME", help=serve.NIXL_BACKEND_HELP)
     ug.add_argument("--no-kv-layerwise", action="store_true",
                     help="prefill workers send a prompt's KV after its whole forward instead of layer by layer (to "
                          "measure what layer-wise streaming saves in TTFT)")

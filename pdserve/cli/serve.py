@@ -32,6 +32,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--worker-id", default=None, help="stable id (default: role-hostname-pid-random)")
     g.add_argument("--kv-transport", default="auto", choices=LazyChoices(kv_transport_names),
                    help=KV_TRANSPORT_HELP)
+    g.add_argument("--nixl-backend", default=None, metavar="NAME", help=NIXL_BACKEND_HELP)
     g.add_argument("--transfer-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a KV transfer may take before the request fails (default 300)")
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -114,6 +115,11 @@ KV_TRANSPORT_HELP = (
     "prefill worker writes into the decode pool over NIXL (UCX: RDMA between hosts, NVLink, TCP; UCX_TLS and "
     "UCX_NET_DEVICES in the workers' environment restrict it; pip install 'pdserve[nixl]'), never picked by auto. "
     "Both tiers take the same value, or auto on either side of tcp or cuda_ipc")
+
+
+NIXL_BACKEND_HELP = (
+    "with --kv-transport nixl: the NIXL backend plugin its agents use (default UCX; the prefill and decode workers "
+    "name the same). UCX picks its own transports from UCX_TLS and UCX_NET_DEVICES in the workers' environment")
 
 
 def kv_transport_names() -> list[str]:
@@ -217,7 +223,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     metrics = Metrics.create("prefill")
     mport = _serve_metrics(metrics, args.metrics_port, args.host)  # first: a taken port fails before the model loads
     config = PrefillWorkerConfig(engine_config_from_args(args, prefill_only=True), host=args.host, port=args.port,
-                                 kv_transport=args.kv_transport, kv_layerwise=not args.no_kv_layerwise,
+                                 kv_transport=args.kv_transport, nixl_backend=args.nixl_backend,
+                                 kv_layerwise=not args.no_kv_layerwise,
                                  transfer_timeout_s=args.transfer_timeout,
                                  max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                  security=security_from_args(args), warmup=not args.skip_warmup)
@@ -263,7 +270,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     # Decode keeps no prefix cache: its pages come from prefill and return to the pool when a request ends.
     engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, enable_prefix_cache=False))
     config = DecodeWorkerConfig(engine, host=args.host, port=args.port, kv_host=args.kv_host or args.host,
-                                kv_port=args.kv_port, kv_transport=args.kv_transport,
+                                kv_port=args.kv_port, kv_transport=args.kv_transport, nixl_backend=args.nixl_backend,
                                 transfer_timeout_s=args.transfer_timeout,
                                 max_queued_requests=args.max_queued_requests, drain_timeout_s=args.drain_timeout,
                                 security=security_from_args(args), warmup=not args.skip_warmup,

@@ -262,6 +262,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     args.device = resolved_device(args.device)
     fixed_ports = frozenset(up_ports(args).values())
     up_start = time.monotonic()
+    from pdserve.serving.worker_common import check_nixl_backend
+
+    check_nixl_backend(args.kv_transport, args.nixl_backend)  # before any worker starts, not in each of them
     layout = placement(args)
     check_cpu_backends(args, layout)
     devices = list(layout.devices)
@@ -273,6 +276,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                                    args.kv_transport]
     if args.redis_url:
         common += ["--redis-url", args.redis_url]
+    if args.nixl_backend is not None:
+        common += ["--nixl-backend", args.nixl_backend]
     env = worker_env(args, os.environ)
     try:
         k = 0
