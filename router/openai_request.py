@@ -25,7 +25,8 @@ from pdserve.common.values import MAX_LOGPROBS, SamplingParams
 from pdserve.serving.grpc_shell import ServiceError
 
 from .openai_shapes import Prompt
-from .server import MAX_STOP_TOKEN_IDS, Router
+from .request_checks import MAX_STOP_TOKEN_IDS
+from .server import Router
 
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                grpc.StatusCode.UNAVAILABLE: 503}
@@ -264,7 +265,7 @@ def completion_prompts(prompt: Any, router: Router) -> tuple[list, bool]:
     the list it measures is read."""
     def length(num_ids: int, field: str) -> None:
         try:
-            router.check_length(num_ids, field)
+            router.checks.check_length(num_ids, field)
         except ServiceError as e:
             raise from_service_error(e) from None
 
@@ -292,12 +293,12 @@ def completion_prompts(prompt: Any, router: Router) -> tuple[list, bool]:
 
 
 async def prompt_ids(router: Router, prompt, field: str) -> list[int]:
-    """Router.encode_text (a string) / check_ids (token ids), their INVALID_ARGUMENT as a 400 (counted as a rejected
-    request)."""
+    """RequestChecks.encode_text (a string) / check_ids (token ids), their INVALID_ARGUMENT as a 400 (counted as a
+    rejected request)."""
     try:
         if isinstance(prompt, str):
-            return await router.encode_text(prompt, field)
-        return router.check_ids(prompt, field)
+            return await router.checks.encode_text(prompt, field)
+        return router.checks.check_ids(prompt, field)
     except ServiceError as e:
         raise from_service_error(e) from None
 
@@ -327,7 +328,7 @@ async def read_completion(body: dict, router: Router) -> ReadRequest:
         field = f"prompt[{i}]" if batch else "prompt"
         ids = await prompt_ids(router, prompt, field)
         try:
-            router.check_params(params, len(ids))
+            router.checks.check_params(params, len(ids))
         except ServiceError as e:
             raise from_service_error(e if not batch else ServiceError(e.code, f"{e} ({field})")) from None
         # echo: the prompt as sent (text), or the text of its ids

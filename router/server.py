@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
@@ -16,13 +15,12 @@ import grpc
 
 from pdserve.serving.auth import BearerAuthInterceptor
 from pdserve.serving.grpc_shell import (
-    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, message_fields,
-    start_serving,
+    MAX_MESSAGE_BYTES, Drain, ServiceError, abort_with, create_server, exhausted, invalid, start_serving,
 )
 from pdserve.serving.metrics import Metrics
 from pdserve.common.blocks import block_hashes
 from pdserve.common.trace import mark
-from pdserve.serving.rpc_convert import DEFAULT_MAX_NEW_TOKENS, FINISH_FROM_PROTO, sampling_from_proto
+from pdserve.serving.rpc_convert import FINISH_FROM_PROTO, sampling_from_proto
 from pdserve.common.values import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2 as gen_pb
@@ -35,28 +33,11 @@ from .decode_streams import DecodeStreams
 from .health import follow_health, router_health
 from .prefill_streams import PrefillStreams
 from .relay import Relay, RelayLinks, RelayRequest
+from .request_checks import MAX_STOP_TOKEN_IDS, RequestChecks
 from .warm_pairs import keep_pairs_warm, warm_pairs
 from .workers import Worker, WorkerDown, WorkerPool, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)
-
-
-MAX_REQUEST_ID_CHARS = 256
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
-MAX_STOP_TOKEN_IDS = 256
-# A token id takes at most this many bytes in a message: a 5-byte varint, and a tag byte when the repeated field is
-# not packed. What a GenerateRequest's fields may hold is bounded from these before it is parsed.
-MAX_ID_BYTES = 6
-MAX_UNKNOWN_FIELD_BYTES = 64 << 10  # fields of a newer GenerateRequest this router does not know
-_REQUEST_FIELDS = {f.number: f.name for f in gen_pb.GenerateRequest.DESCRIPTOR.fields}
-_PARAMS_FIELDS = {f.number: f.name for f in gen_pb.SamplingParams.DESCRIPTOR.fields}
-# Text prompts up to this many characters are tokenized on the event loop, where a hand-off to a thread would cost
-# more than the encoding; longer ones on the tokenizer threads, without the GIL, so that a long prompt never holds up
-# other requests.
-INLINE_TOKENIZE_CHARS = 16384
-# A prompt longer than the context times the longest token times this is refused before tokenizing: it cannot fit
-# (the margin covers normalizers that drop characters).
-PROMPT_CHARS_MARGIN = 2
 
 
 @dataclass(frozen=True)
@@ -89,9 +70,9 @@ class RouterConfig:
 
 
 class Router:
-    """Request checks (nothing invalid reaches a worker), admission (concurrency limit, unique in-flight ids), the
-    choice of a prefill and a decode worker per request, and its attempt on them (a `Relay`, relay.py), retried once
-    on other workers if one was unreachable before any token reached the client."""
+    """Request checks (`checks`, request_checks.py: nothing invalid reaches a worker), admission (concurrency limit,
+    unique in-flight ids), the choice of a prefill and a decode worker per request, and its attempt on them (a
+    `Relay`, relay.py), retried once on other workers if one was unreachable before any token reached the client."""
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, ownership: OwnershipStore, metrics: Metrics,
                  tokenizer: Optional[Tokenizer]):
@@ -102,8 +83,7 @@ class Router:
         self._unpairable: set[str] = set()  # workers no worker of the other role can pair with (logged once)
         self._in_flight_ids: set[str] = set()  # client-given ids of requests running now
         self.num_active = 0
-        self._tokenize_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="router-tokenize")
-        self._tokenize_slots = asyncio.Semaphore(config.tokenize_threads)
+        self.checks = RequestChecks(self.model_info, tokenizer, config.max_new_tokens_limit, config.tokenize_threads)
         self.decode_streams = DecodeStreams(pool.metadata, pool.seen)  # one DecodeStream call per decode worker
         self.prefill_streams = PrefillStreams(pool.metadata, pool.seen)  # one PrefillStream call per prefill one
         self.relay_links = RelayLinks(self.prefill_streams, self.decode_streams, pool.metadata, config.stream_interval,
@@ -197,126 +177,6 @@ class Router:
                 return w.info.model
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no worker has reported yet")
 
-    # ---- checks: every field a client sets, before anything reaches a worker ---------------------------------------
-    async def prompt_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
-        if kind is None:
-            raise invalid("prompt: give exactly one of text or tokenized.input_ids")
-        if kind == "text":
-            return await self.encode_text(request.text)
-        ids = request.tokenized.input_ids
-        self.check_length(len(ids), "tokenized.input_ids")  # before any pass over them: O(1) on a repeated field
-        return self.check_ids(list(ids), "tokenized.input_ids")
-
-    def max_prompt_chars(self) -> int:
-        """The longest text that could still fit the model's context (see PROMPT_CHARS_MARGIN)."""
-        return self.model_info().max_context_length * self.tokenizer.max_token_chars * PROMPT_CHARS_MARGIN
-
-    async def encode_text(self, text: str, field: str = "text") -> list[int]:
-        """Checked before any work: not empty, not longer than the context could hold, valid Unicode. Long texts
-        are tokenized on the tokenizer threads (at most --tokenize-threads at once), off the event loop."""
-        if not text:
-            raise invalid(f"{field}: the prompt is empty")
-        if self.tokenizer is None:
-            raise invalid(f"{field}: this router has no tokenizer (start it with --model DIR); send token ids")
-        limit = self.max_prompt_chars()
-        if len(text) > limit:
-            raise invalid(f"{field}: the prompt has {len(text)} characters; the model's context of "
-                          f"{self.model_info().max_context_length} tokens cannot hold more than {limit}")
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate, which JSON's \\udXXX escapes can carry
-                raise invalid(f"{field}: not valid Unicode text (a lone surrogate at character {e.start})") from None
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.check_ids(self.tokenizer.encode(text), field)
-        async with self._tokenize_slots:
-            ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, lambda: self.tokenizer.encode(text, release_gil=True))
-        return self.check_ids(ids, field)
-
-    def check_request_bytes(self, raw: bytes) -> None:
-        """A GenerateRequest's fields bounded by their sizes in its bytes, before it is parsed (MessageGuard's
-        precheck): parsing millions of token ids holds the event loop every other client waits on, and protobuf
-        holds the GIL while it parses, so a thread would not free the loop. What passes holds at most the model's
-        context in ids and parses in a moment. (A text prompt parses as one copy: bounded by --max-request-bytes,
-        then by its characters in encode_text.)"""
-        context = self.model_info().max_context_length
-        sizes = _field_sizes(raw)
-        limits = {"tokenized": (MAX_ID_BYTES * context, "tokenized.input_ids: {} bytes of token ids are more than "
-                                f"the model's context of {context} tokens can hold (a prompt may have at most "
-                                f"{context - 1} ids, {MAX_ID_BYTES * context} bytes)"),
-                  "stop_token_ids": (MAX_ID_BYTES * MAX_STOP_TOKEN_IDS, "sampling_params.stop_token_ids: at most "
-                                     f"{MAX_STOP_TOKEN_IDS} ids (got {{}} bytes of them)"),
-                  "stop": (MAX_STOP_STRINGS * (4 * MAX_STOP_CHARS + 1), "sampling_params.stop: at most "
-                           f"{MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters (got {{}} bytes "
-                           "of them)"),
-                  "request_id": (4 * MAX_REQUEST_ID_CHARS, f"request_id: at most {MAX_REQUEST_ID_CHARS} printable "
-                                 "characters (got {} bytes)"),
-                  "unknown": (MAX_UNKNOWN_FIELD_BYTES, "{} bytes of fields that GenerateRequest and SamplingParams "
-                              "do not have")}
-        for name, (limit, message) in limits.items():
-            if sizes.get(name, 0) > limit:
-                raise invalid(message.format(sizes[name]))
-
-    def check_length(self, num_ids: int, field: str = "input_ids") -> None:
-        """A prompt of `num_ids` tokens leaves room for at least one new token: checked before anything reads the
-        ids (converting or scanning millions of them would hold the event loop every other client waits on)."""
-        info = self.model_info()
-        if num_ids >= info.max_context_length:
-            raise invalid(f"{field}: the prompt has {num_ids} tokens; the model's context is "
-                          f"{info.max_context_length}, so a prompt may have at most {info.max_context_length - 1}")
-
-    def check_ids(self, ids: list[int], field: str = "input_ids") -> list[int]:
-        """The prompt is non-empty, in the vocabulary, and leaves room for at least one new token."""
-        if not ids:
-            raise invalid(f"{field}: the prompt is empty")
-        self.check_length(len(ids), field)
-        info = self.model_info()
-        bad = [t for t in ids if not 0 <= t < info.vocab_size] if min(ids) < 0 or max(ids) >= info.vocab_size else []
-        if bad:
-            raise invalid(f"{field}: token ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
-        return ids
-
-    def check_params(self, params: SamplingParams, num_prompt_tokens: int,
-                     field: str = "sampling_params") -> None:
-        """Limits SamplingParams itself cannot know (its own checks ran when it was built). A request must fit the
-        context as asked: prompt + max_new_tokens above it is refused (as vLLM does) rather than cut short."""
-        info = self.model_info()
-        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise invalid(f"{field}.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids (got "
-                          f"{len(params.stop_token_ids)})")
-        limit = self.config.max_new_tokens_limit
-        if limit is not None and params.max_new_tokens > limit:
-            raise invalid(f"{field}.max_new_tokens: {params.max_new_tokens} is above this server's limit of "
-                          f"{limit} (--max-new-tokens-limit)")
-        room = info.max_context_length - num_prompt_tokens
-        if params.max_new_tokens > room:
-            raise invalid(f"{field}.max_new_tokens: prompt ({num_prompt_tokens} tokens) + max_new_tokens "
-                          f"({params.max_new_tokens}) exceeds the model's context of {info.max_context_length} "
-                          f"tokens; ask for at most {room}")
-        bad = [t for t in params.stop_token_ids if t >= info.vocab_size]
-        if bad:
-            raise invalid(f"{field}.stop_token_ids: ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
-        if len(params.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
-            raise invalid(f"{field}.stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} "
-                          f"characters each")
-        if any(not s.isascii() and not _is_unicode(s) for s in params.stop):
-            raise invalid(f"{field}.stop: not valid Unicode text (a lone surrogate)")
-        if params.stop and self.tokenizer is None:
-            raise invalid(f"{field}.stop: stop strings need a tokenizer; start the router with --model DIR")
-
-    def default_max_new_tokens(self, num_prompt_tokens: int) -> int:
-        """For a request that did not set max_new_tokens: the default, cut to what the context and limit allow."""
-        room = self.model_info().max_context_length - num_prompt_tokens
-        return max(1, min(DEFAULT_MAX_NEW_TOKENS, room, self.config.max_new_tokens_limit or room))
-
-    @staticmethod
-    def check_request_id(request_id: str) -> None:
-        if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-            raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} printable characters (got "
-                          f"{len(request_id)} characters)")
-
     # ---- one request, start to finish (shared by the gRPC and HTTP fronts) -----------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                        timeout_s: Optional[float] = None) -> AsyncIterator[gen_pb.GenerateResponse]:
@@ -327,9 +187,9 @@ class Router:
         arrival = time.monotonic()
         deadline = None if timeout_s is None else arrival + timeout_s
         try:
-            self.check_ids(prompt_ids, "prompt")  # again here: the HTTP front calls generate() directly
-            self.check_params(params, len(prompt_ids))
-            self.check_request_id(request_id)
+            self.checks.check_ids(prompt_ids, "prompt")  # again here: the HTTP front calls generate() directly
+            self.checks.check_params(params, len(prompt_ids))
+            self.checks.check_request_id(request_id)
             if request_id and request_id in self._in_flight_ids:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in "
                                    "flight on this router; give each request its own id")
@@ -430,10 +290,10 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             if len(request.sampling_params.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before converting them
                 raise invalid(f"sampling_params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids (got "
                               f"{len(request.sampling_params.stop_token_ids)})")
-            ids = await r.prompt_ids(request)
+            ids = await r.checks.prompt_ids(request)
             params = sampling_from_proto(request.sampling_params)
             if not request.sampling_params.HasField("max_new_tokens"):
-                params = dataclasses.replace(params, max_new_tokens=r.default_max_new_tokens(len(ids)))
+                params = dataclasses.replace(params, max_new_tokens=r.checks.default_max_new_tokens(len(ids)))
         except (ServiceError, ValueError) as e:
             r.metrics.count(r.metrics.requests, outcome="rejected")
             await abort_with(context, e)
@@ -453,7 +313,7 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
         router.config.host, router.config.port, [gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name],
         lambda s: gen_grpc.add_GenerationServicer_to_server(GenerationServicer(router), s), options=options,
         interceptors=auth, drain=Drain(tracked={"Generate"}, refused={"Generate"}),
-        credentials=security.server_credentials(), prechecks={"Generate": router.check_request_bytes})
+        credentials=security.server_credentials(), prechecks={"Generate": router.checks.check_request_bytes})
     await router.pool.start()
     if router.config.warm_pairs:  # before it serves: no client request pays for a pair's KV connection
         vocab_size = lambda: router.model_info().vocab_size  # noqa: E731
@@ -464,29 +324,6 @@ async def start_router(router: Router) -> tuple[grpc.aio.Server, int]:
     await start_serving(server, serving)
     router.health_task = asyncio.create_task(follow_health(server, router.pool, serving))
     return server, port
-
-
-def _field_sizes(raw: bytes) -> dict[str, int]:
-    """Bytes of each field of the GenerateRequest `raw`, and of its sampling_params' fields, by name (a field given
-    twice counts twice: the parser merges them); fields neither message has count as "unknown"."""
-    sizes: dict[str, int] = {}
-    view = memoryview(raw)
-    for number, start, end in message_fields(view):
-        name = _REQUEST_FIELDS.get(number, "unknown")
-        sizes[name] = sizes.get(name, 0) + end - start
-        if name == "sampling_params":
-            for inner, s, e in message_fields(view[start:end]):
-                inner_name = _PARAMS_FIELDS.get(inner, "unknown")
-                sizes[inner_name] = sizes.get(inner_name, 0) + e - s
-    return sizes
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _prefer_others(workers: list[Worker], avoid: frozenset[str]) -> list[Worker]:

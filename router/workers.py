@@ -154,7 +154,8 @@ class WorkerPool:
         now = time.monotonic() if now is None else now
         for w in list(self.workers.values()):
             if w.healthy and w.decoding > 0 and now - w.last_message > self.health.progress_s:
-                self.mark_down(w, "stalled", f"no token for {now - w.last_message:.1f} s on {w.decoding} decoding requests")
+                self.mark_down(w, "stalled",
+                               f"no token for {now - w.last_message:.1f} s on {w.decoding} decoding requests")
 
     def seen(self, w: Worker) -> None:
         """A message from w reached one of our requests."""

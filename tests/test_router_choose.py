@@ -59,6 +59,6 @@ def test_a_fresh_prompt_is_routed_on_its_first_blocks_key_and_its_other_keys_are
         short = prompt[:BLOCK + 1]  # one block: its key is all there is
         assert (await router.choose(short))[2] == block_hashes(short, BLOCK)
         assert (await router.choose(prompt[:BLOCK - 1]))[2] == []  # no full block: nothing to hash or ask
-        router._tokenize_pool.shutdown()
+        router.checks.close()
 
     asyncio.run(main())
