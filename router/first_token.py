@@ -6,8 +6,8 @@ and its event loop sent the update; the prefill worker's answer reaches the rout
 token itself, with its text made here by the engine's own stop check (`StopChecker`: same detokenizer, same stop
 strings, same EOS), and takes that token and text off the front of the decode worker's first update.
 
-Not done (the decode worker's stream then brings the first token, as before): when the first token already ends the
-request (EOS, a stop token or string, max_new_tokens 1: the decode worker reports the finish with its usage), and
+Not done (the decode worker's stream then brings the first token with the rest): when the first token already ends
+the request (EOS, a stop token or string, max_new_tokens 1: the decode worker reports the finish with its usage), and
 for requests with logprobs (the first token's come in the prefill worker's answer, the rest from the decode worker).
 """
 
