@@ -453,6 +453,7 @@ async def run_router(args: argparse.Namespace, on_ready=None) -> None:
         router.prefill_streams.close()
         await pool.close()
         ownership.close()
+        router.checks.close()
 
     await serve_until_signal(server, getattr(args, "drain_timeout", 30.0), stop_fronts, stop=stop)
 
