@@ -277,6 +277,9 @@ class ParallelConfig:
     tp_size: int = 1
     rank: int = 0
     ep_size: int = 1  # 1, or tp_size: the MoE's routed experts split over the tensor-parallel ranks
+    # DP attention: attention data-parallel over requests (each rank its own requests and latent KV pool), the
+    # MLP/MoE still split over the tp_size ranks (pdserve.parallel.dp_attention).
+    dp_attention: bool = False
     # A collective that waits longer than this fails the worker (a rank hung, not dead: a dead one fails it at once).
     collective_timeout_s: float = 300.0
 
@@ -288,8 +291,16 @@ class ParallelConfig:
         if self.ep_size not in (1, self.tp_size):
             raise ConfigError(f"--ep {self.ep_size}: expert parallelism splits the routed experts over the --tp ranks; "
                               f"give --ep {self.tp_size} (or 1)")
+        if self.dp_attention and self.tp_size == 1:
+            raise ConfigError("--dp-attention spreads requests over the --tp ranks; give --tp 2 or more")
         if self.collective_timeout_s <= 0:
-            raise ConfigError(f"ParallelConfig.collective_timeout_s={self.collective_timeout_s} must be positive")
+            raise ConfigError(f"--collective-timeout {self.collective_timeout_s:g}: must be a positive number of "
+                              "seconds")
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that attend over requests of their own: tp_size under DP attention, else 1."""
+        return self.tp_size if self.dp_attention else 1
 
     def check_model(self, cfg: ModelConfig) -> None:
         """ConfigError naming the setting when the model cannot be split over tp_size ranks: every split dimension

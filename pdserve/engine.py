@@ -18,7 +18,7 @@ from pdserve.config import ModelConfig, ParallelConfig
 from pdserve.cuda_graph import CudaGraphConfig
 from pdserve.cuda_streams import make_current
 from pdserve.kernels import KernelBackends
-from pdserve.kv_cache import CacheConfig, LatentKVPool, token_slots
+from pdserve.kv_cache import CacheConfig, LatentKVPool, PageAllocator, token_slots
 from pdserve.model_runner import ModelRunner, build_graph_runners
 from pdserve.overlap import LaunchedDecode
 from pdserve.prefix_cache import PrefixCache
@@ -115,6 +115,10 @@ class LLMEngine:
         With config.parallel.tp_size > 1 it starts the other tensor-parallel ranks (stopped by close(), or at exit)."""
         if config.parallel.tp_size > 1:  # rank 0's device, spelled out (the others are counted from it)
             config = dataclasses.replace(config, device=rank_device(config.device, 0))
+        if config.parallel.dp_attention and config.cuda_graph.enabled:
+            # NOTE: a DP step's per-rank token counts change every step, and a captured graph has one shape per
+            # rank: DP attention decodes eagerly.
+            config = dataclasses.replace(config, cuda_graph=dataclasses.replace(config.cuda_graph, enabled=False))
         self.config = config
         make_current(config.device)  # the loading, graph capture and warm-up below launch on it
         self.model_config = model_config or ModelConfig.from_model_dir(config.model_dir)
@@ -152,7 +156,8 @@ class LLMEngine:
         config, cfg = self.config, self.model_config
         tp = self.ranks.group if self.ranks is not None else SINGLE
         self.model = load_model(config.model_dir, cfg, dtype, kernels, config.load_format, config.device,
-                                config.prefix_chunk_tokens, progress, tp=tp, ep=config.parallel.ep_size > 1)
+                                config.prefix_chunk_tokens, progress, tp=tp, ep=config.parallel.ep_size > 1,
+                                dp_attention=config.parallel.dp_attention)
         if config.speculative.enabled and not self.model.has_mtp_weights:
             raise ValueError(f"--speculative-algorithm {config.speculative.algorithm} drafts with the NextN/MTP layer, "
                              f"but the checkpoint {config.model_dir} has no MTP weights (num_nextn_predict_layers="
@@ -164,11 +169,15 @@ class LLMEngine:
                              f"{cfg.vocab_size}: the model directory mixes two models")
         self.pool = LatentKVPool(cfg.num_kv_layers, cfg.kv_cache_dim, config.cache, dtype, config.device)
         self.prefix_cache = PrefixCache(self.pool.allocator, config.cache.page_size)
+        # DP attention: ranks 1.. hold pools of the same size, whose pages rank 0's scheduler hands out
+        dp_caches = [PrefixCache(PageAllocator(config.cache.num_pages), config.cache.page_size)
+                     for _ in range(1, config.parallel.dp_size)]
         spec = config.speculative
-        self.scheduler = Scheduler(sched, config.cache, self.prefix_cache, spec.num_steps if spec.enabled else 0)
+        self.scheduler = Scheduler(sched, config.cache, self.prefix_cache, spec.num_steps if spec.enabled else 0,
+                                   dp_caches)
         graphs = build_graph_runners(self.model, self.pool, kernels, config.cuda_graph, config.device,
                                      spec.num_steps if spec.enabled else 0, sched.max_model_len, progress)
-        driver = Driver(self.model, self.ranks) if self.ranks is not None else None
+        driver = Driver(self.model, self.ranks, config.parallel.dp_size) if self.ranks is not None else None
         self.runner = ModelRunner(self.model, self.pool, config.device, *graphs, driver=driver)
         self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
         if self.ranks is not None:
@@ -210,6 +219,9 @@ class LLMEngine:
         elif hidden is not None and tuple(hidden.shape) != (self.model_config.hidden_size,):
             raise ValueError(f"hidden has shape {tuple(hidden.shape)}; this model expects "
                              f"({self.model_config.hidden_size},)")
+        if self.config.parallel.dp_attention:
+            raise ValueError("a request whose KV was computed elsewhere cannot join a DP-attention engine: its KV "
+                             "would have to reach one rank's pool; run the decode worker without --dp-attention")
         if self.runner.driver is not None:  # under TP every rank attends over its own copy of the prompt's KV
             self.runner.driver.share_kv(self.pool.kv, token_slots(pages, len(prompt_ids), self.pool.page_size))
         req = Request(request_id, list(prompt_ids), params, arrival_time=arrival_time or time.monotonic(),
@@ -287,7 +299,8 @@ class LLMEngine:
             forward = self.runner.execute(scheduled, resolve_inputs=resolve)
             tokens = self.sampler.sample(forward.logits, [r.params for r in forward.requests],
                                          [r.generator for r in forward.requests])  # stays on the device
-            launched = LaunchedDecode.launch(forward.requests, tokens, self.pool.allocator, self.pool.page_size)
+            launched = LaunchedDecode.launch(forward.requests, tokens, [c.allocator for c in self.scheduler.caches],
+                                             self.pool.page_size)
             self.scheduler.update(scheduled)
             self.num_overlapped_steps += 1
         outputs = self._read_launched()  # the previous step, while the GPU runs this one
@@ -446,8 +459,14 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def kv_pages_in_use_by_requests(self) -> int:
-        """Pages held by requests (not by the prefix cache alone); 0 when idle."""
-        return self.pool.allocator.num_used - self.prefix_cache.num_cache_only_pages
+        """Pages held by requests (not by the prefix cache alone), in every DP rank's pool; 0 when idle."""
+        return sum(c.allocator.num_used - c.num_cache_only_pages for c in self.scheduler.caches)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of latent KV the worker holds: one pool's under TP (every rank holds the same), one pool per rank
+        under DP attention."""
+        return self.pool.num_slots * self.config.parallel.dp_size
 
 
 __all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "StepHooks"]

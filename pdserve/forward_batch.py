@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -38,6 +38,10 @@ class ForwardBatch:
     seq_lens: Optional[torch.Tensor] = None  # (T,) int64
     # Called with the KV layer index as soon as that layer's KV is written (layer-wise KV streaming in prefill).
     layer_done: Optional[Callable[[int], None]] = None
+    # DP attention (pdserve.parallel.dp_attention). dp_ranks: in a whole step, each sequence's DP rank; dp: in one
+    # rank's part of a step, its DPLayout (the layers gather every rank's tokens for the MLP through it).
+    dp_ranks: Optional[list[int]] = None
+    dp: Any = None
 
     def __post_init__(self) -> None:
         t = self.input_ids.shape[0]

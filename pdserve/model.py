@@ -8,7 +8,8 @@ Tensor parallelism (`tp`, pdserve.parallel) splits the layers, not the model: ea
 heads (q_b_proj and kv_b_proj column-parallel, o_proj row-parallel + all-reduce) and I/tp of every MLP's and
 expert's intermediate (gate/up column-parallel, down row-parallel, one all-reduce per MoE), or with expert
 parallelism (`ep`) E/tp whole routed experts; the embedding, the router, the latent projections (so the latent KV
-cache) and lm_head are replicated. At tp size 1 nothing is split.
+cache) and lm_head are replicated. With DP attention (`dp_attention`) MLA is whole on every rank and runs over that
+rank's own requests only (pdserve.parallel.dp_attention). At tp size 1 nothing is split.
 
 Shapes: T = tokens in the batch, H = attention heads (of this rank), R = kv_lora_rank (512), P = qk_rope_head_dim
 (64), N = qk_nope_head_dim (128), V = v_head_dim (128), D = hidden_size, E = routed experts, I = intermediate size
@@ -275,21 +276,30 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: x + MLA(norm(x)), then + FFN(norm(.)); FFN dense for the first k layers."""
+    """Pre-norm decoder layer: x + MLA(norm(x)), then + FFN(norm(.)); FFN dense for the first k layers.
+
+    dp_attention: attention is data-parallel over requests (MLA whole on every rank, each over its own requests'
+    tokens), the FFN tensor/expert-parallel over every rank's tokens (pdserve.parallel.dp_attention)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int,
-                 tp: TPGroup = SINGLE, ep: bool = False):
+                 tp: TPGroup = SINGLE, ep: bool = False, dp_attention: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = MLA(cfg, layer_idx, kernels, prefix_chunk_tokens, tp)
+        self.self_attn = MLA(cfg, layer_idx, kernels, prefix_chunk_tokens, SINGLE if dp_attention else tp)
         self.mlp = (MoE(cfg, kernels, tp, ep) if cfg.is_moe_layer(layer_idx)
                     else MLP(cfg, cfg.intermediate_size, kernels, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos_sin, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch, kv_cache[self.layer_idx])
-        return x + self.mlp(self.post_attention_layernorm(x))
+        dp = batch.dp
+        if dp is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch, kv_cache[self.layer_idx])
+            return x + self.mlp(self.post_attention_layernorm(x))
+        if x.shape[0]:  # a DP rank without requests this step has no attention to run, but joins the collectives
+            x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch, kv_cache[self.layer_idx])
+        # every rank's tokens through the TP/EP FFN (its all-reduce gives each rank the whole output), ours back
+        return x + dp.slice(self.mlp(dp.gather(self.post_attention_layernorm(x))))  # (T_rank, D)
 
 
 class MTP(nn.Module):
@@ -301,12 +311,12 @@ class MTP(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: KernelBackends, prefix_chunk_tokens: int,
-                 tp: TPGroup = SINGLE, ep: bool = False):
+                 tp: TPGroup = SINGLE, ep: bool = False, dp_attention: bool = False):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, cfg, kernels)
-        self.block = Block(cfg, layer_idx, kernels, prefix_chunk_tokens, tp, ep)
+        self.block = Block(cfg, layer_idx, kernels, prefix_chunk_tokens, tp, ep, dp_attention)
         self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor, cos_sin, batch: ForwardBatch,
@@ -324,21 +334,26 @@ class DeepseekV3(nn.Module):
     and rank 0 alone computes logits."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelBackends, prefix_chunk_tokens: int = 4096,
-                 tp: TPGroup = SINGLE, ep: bool = False):
+                 tp: TPGroup = SINGLE, ep: bool = False, dp_attention: bool = False):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.kernels = kernels  # the CUDA-graph runner asks its attention backend for per-graph plans
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(
-            [Block(cfg, i, kernels, prefix_chunk_tokens, tp, ep) for i in range(cfg.num_hidden_layers)])
+            [Block(cfg, i, kernels, prefix_chunk_tokens, tp, ep, dp_attention) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # NOTE: replicated, not vocab-parallel, on purpose: rank 0 alone samples, and sampling (top-p, seeded
+        # generators, logprobs with their top alternatives) needs each row's whole vocabulary; a vocab-parallel head
+        # would split the matmul only to gather (rows, vocab) fp32 logits back to rank 0 every step, while a
+        # replicated one lets the other ranks skip the head entirely (they compute no logits). The price is the
+        # head's memory on every rank.
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.embed_tokens.weight.requires_grad_(False)
         # Its KV layer index follows the main layers: cache layer num_hidden_layers + j.
         self.mtp = nn.ModuleList(
-            [MTP(cfg, cfg.num_hidden_layers + j, kernels, prefix_chunk_tokens, tp, ep)
+            [MTP(cfg, cfg.num_hidden_layers + j, kernels, prefix_chunk_tokens, tp, ep, dp_attention)
              for j in range(cfg.num_nextn_predict_layers)])
         self.has_mtp_weights = bool(cfg.num_nextn_predict_layers)  # the loader clears it when absent
 
@@ -357,7 +372,7 @@ class DeepseekV3(nn.Module):
             x = layer(x, cos_sin, batch, kv_cache)
             if batch.layer_done is not None:
                 batch.layer_done(layer.layer_idx)
-        return x
+        return x if batch.dp is None else batch.dp.gather(x)  # DP attention: every rank's rows, for rank 0
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -376,4 +391,6 @@ class DeepseekV3(nn.Module):
         h = mtp(self.embed_tokens(batch.input_ids), prev_hidden, self.rotary(batch.positions), batch, kv_cache)
         if batch.layer_done is not None:
             batch.layer_done(mtp.block.layer_idx)
+        if batch.dp is not None:
+            h = batch.dp.gather(h)  # DP attention: every rank's rows
         return (self.lm_head(mtp.shared_head_norm(h)).float() if logits else None), h

@@ -77,6 +77,8 @@ class ModelRunner:
                  driver=None):
         self.model, self.pool, self.device = driver or model, pool, torch.device(device)
         self.driver = driver
+        # DP attention: every batch says which rank each sequence's attention runs on (Driver splits it)
+        self.dp = driver is not None and driver.dp_size > 1
         self.graphs = graphs  # decode batches replay captured CUDA graphs when they fit a bucket
         self.mtp_graphs = mtp_graphs  # likewise for the MTP layer's rows (NextN drafting)
         self.staging = HostStaging(self.device)  # the steps' uploads (the engine's thread only)
@@ -228,7 +230,7 @@ class ModelRunner:
         buf = packed.host.to(self.device, non_blocking=True)
         return ForwardBatch(ForwardMode.DECODE, input_ids=buf[:n], positions=buf[n:2 * n], out_slots=buf[2 * n:3 * n],
                             page_size=self.pool.page_size, page_table=buf[4 * n:].view(n, packed.width),
-                            seq_lens=buf[3 * n:4 * n])
+                            seq_lens=buf[3 * n:4 * n], dp_ranks=[r.request.dp_rank for r in rows] if self.dp else None)
 
     def extend_batch(self, chunks: list[PrefillChunk], shift: int = 0) -> tuple[ForwardBatch, list[int]]:
         """Returns the batch and, per chunk, the row index of its last token. shift=1 feeds each position the
@@ -252,6 +254,7 @@ class ModelRunner:
             qo_indptr=qo_indptr,
             prefix_lens=[c.start for c in chunks],
             page_tables=[list(c.request.pages) for c in chunks],
+            dp_ranks=[c.request.dp_rank for c in chunks] if self.dp else None,
         )
         return batch, [end - 1 for end in qo_indptr[1:]]
 

@@ -16,7 +16,7 @@ that finishes on step N's token (EOS, stop string) got a row in step N+1 all the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -43,12 +43,14 @@ class LaunchedDecode:
     # ran frees its pages, and a transfer from another process (CUDA IPC, NCCL) into a page handed out again would
     # race with this step's write. The pages return to the pool when the step has been read.
     held_pages: list[int]
-    allocator: PageAllocator
+    allocators: Sequence[PageAllocator]  # by DP rank (one pool without DP attention)
+    held_ranks: list[int]  # the DP rank whose pool holds each held page
 
     @classmethod
-    def launch(cls, requests: list[Request], tokens: torch.Tensor, allocator: PageAllocator,
+    def launch(cls, requests: list[Request], tokens: torch.Tensor, allocators: Sequence[PageAllocator],
                page_size: int) -> "LaunchedDecode":
-        """Called right after the step's sampling was queued: rows' pages held, placeholders appended."""
+        """Called right after the step's sampling was queued: rows' pages held, placeholders appended.
+        allocators: the pools' allocators, by DP rank (one without DP attention)."""
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -58,12 +60,13 @@ class LaunchedDecode:
             host, copied = tokens, None
         # Each row wrote position num_tokens - 1, its request's last token (before the placeholder below).
         held = [r.pages[(r.num_tokens - 1) // page_size] for r in requests]
-        allocator.incref(held)
+        ranks = [r.dp_rank for r in requests]
+        _each_pool(allocators, held, ranks, PageAllocator.incref)
         index = []
         for row, r in enumerate(requests):
             index.append(len(r.output_ids))
             r.output_ids.append(placeholder(row))
-        return cls(requests, index, tokens, host, copied, held, allocator)
+        return cls(requests, index, tokens, host, copied, held, allocators, ranks)
 
     def resolver_for(self, requests: list[Request]) -> Callable[[torch.Tensor], None]:
         """What fixes the input ids of the next step's rows `requests` (see resolve_inputs). In the steady state the
@@ -87,9 +90,18 @@ class LaunchedDecode:
         if self.copied is not None:
             self.copied.synchronize()  # releases the GIL while it waits
         tokens = self.host_tokens.tolist()
-        self.allocator.decref(self.held_pages)
+        _each_pool(self.allocators, self.held_pages, self.held_ranks, PageAllocator.decref)
         self.held_pages = []
         return tokens
+
+
+def _each_pool(allocators: Sequence[PageAllocator], pages: list[int], ranks: list[int],
+               op: Callable[[PageAllocator, list[int]], None]) -> None:
+    if len(allocators) == 1:
+        op(allocators[0], pages)
+        return
+    for rank, allocator in enumerate(allocators):
+        op(allocator, [p for p, k in zip(pages, ranks) if k == rank])
 
 
 __all__ = ["LaunchedDecode", "placeholder"]

@@ -36,6 +36,7 @@ class Request:
     generator: Any = None  # torch.Generator for seeded sampling (kept opaque: the scheduler never touches torch)
     spec: Any = None  # speculative decoding's draft state (spec_decode.DraftState); cleared when KV is dropped
     block_keys: list = field(default_factory=list)  # prefix-cache keys of its leading full blocks, made once each
+    dp_rank: int = 0  # DP attention: the rank whose pool holds its pages and which runs its attention
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -10,13 +10,17 @@ With speculative decoding (spec_steps > 0) a decoding request instead gets a ver
 (k drafts, fewer near its length limits or when the budget or the pool is short; speculation never preempts): pages
 for those positions are reserved here and the unused tail is returned by update_speculative once the accepted
 length is known.
+With DP attention (dp_caches: one prefix cache, so one pool, per DP rank) each request is placed on a rank when it
+is admitted, the least loaded (fewest running requests, then most free pages), and lives on that rank's pool: its
+pages, its prefix matches and the requests it may preempt are that rank's. Each pool is the whole KV budget of its
+rank, so the worker holds dp_size pools' worth of tokens.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from pdserve.kv_cache import CacheConfig
 from pdserve.prefix_cache import PrefixCache
@@ -84,15 +88,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, prefix_cache: PrefixCache, spec_steps: int = 0):
-        """spec_steps: draft tokens per speculative decode row (0 = no speculative decoding)."""
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, prefix_cache: PrefixCache, spec_steps: int = 0,
+                 dp_caches: Sequence[PrefixCache] = ()):
+        """spec_steps: draft tokens per speculative decode row (0 = no speculative decoding). dp_caches: under DP
+        attention the prefix caches (over their pools' allocators) of ranks 1.., prefix_cache being rank 0's."""
         assert spec_steps >= 0
         self.config = config
         self.spec_steps = spec_steps
         self.page_size = cache.page_size
-        self.num_pages = cache.num_pages
+        self.num_pages = cache.num_pages  # of each rank's pool
         self.prefix_cache = prefix_cache
         self.allocator = prefix_cache.allocator
+        self.caches: list[PrefixCache] = [prefix_cache, *dp_caches]  # by DP rank
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -132,7 +139,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
             self._publish(req)  # keep what was computed for later prompts that share it
-        self.allocator.decref(req.pages)
+        self.caches[req.dp_rank].allocator.decref(req.pages)
         req.pages = []
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 
@@ -174,14 +181,16 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            req.dp_rank = self._least_loaded_rank()
+            cache = self.caches[req.dp_rank]
             # A prompt whose every position's logprobs are asked for is computed in full.
             reuse = self.config.enable_prefix_cache and req.params.prompt_logprobs is None
-            pages, cached = self.prefix_cache.match(req.all_token_ids, req.block_keys) if reuse else ([], 0)
+            pages, cached = cache.match(req.all_token_ids, req.block_keys) if reuse else ([], 0)
             n = min(req.num_tokens - cached, budget)
             need = -(-(cached + n) // self.page_size) - len(pages)
-            new = self.prefix_cache.alloc_with_eviction(need)
+            new = cache.alloc_with_eviction(need)
             if new is None:
-                self.allocator.decref(pages)
+                cache.allocator.decref(pages)
                 break  # the pool is full: wait for running requests to finish
             self.waiting.popleft()
             req.pages = pages + new
@@ -191,6 +200,21 @@ class Scheduler:
             out.prefill.append(PrefillChunk.of(req, cached, n))
             budget -= n
         return out
+
+    def _least_loaded_rank(self) -> int:
+        """DP attention: the rank a request admitted now goes to: fewest running requests, then most free pages,
+        then the lowest rank (0 without DP attention)."""
+        if len(self.caches) == 1:
+            return 0
+        running = self.running_per_rank()
+        return min(range(len(self.caches)), key=lambda k: (running[k], -self.caches[k].allocator.num_free, k))
+
+    def running_per_rank(self) -> list[int]:
+        """Running requests on each DP rank."""
+        counts = [0] * len(self.caches)
+        for r in self.running:
+            counts[r.dp_rank] += 1
+        return counts
 
     def reached_length_limit(self, req: Request) -> bool:
         """req has all the tokens max_new_tokens or the context allow (the engine finishes it as it reads the last
@@ -203,13 +227,13 @@ class Scheduler:
         logprobs: the step overlap scheduling may launch before it reads the previous one."""
         if self.spec_steps or self.waiting or not self.running:
             return False
-        new_pages = 0
+        new_pages = [0] * len(self.caches)
         for req in self.running:
             if not req.is_decoding or req.params.logprobs is not None:
                 return False
             if len(req.pages) * self.page_size < req.num_tokens and not self.reached_length_limit(req):
-                new_pages += 1  # its row crosses into a new page
-        return new_pages <= self.allocator.num_free
+                new_pages[req.dp_rank] += 1  # its row crosses into a new page of its rank's pool
+        return all(n <= c.allocator.num_free for n, c in zip(new_pages, self.caches))
 
     def _num_drafts(self, req: Request, budget: int) -> int:
         # A row yields at most 1 + k tokens: never more than max_new_tokens or the context allow, so neither the
@@ -220,7 +244,7 @@ class Scheduler:
     def _reserve_free(self, req: Request, num_tokens: int) -> bool:
         """Make req's pages cover num_tokens from free or evictable pages only (no preemption)."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
-        new = self.prefix_cache.alloc_with_eviction(need) if need > 0 else []
+        new = self.caches[req.dp_rank].alloc_with_eviction(need) if need > 0 else []
         if new is None:
             return False
         req.pages.extend(new)
@@ -230,11 +254,13 @@ class Scheduler:
         """Make req's pages cover num_tokens, preempting later arrivals if the pool is exhausted."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
         while need > 0:
-            new = self.prefix_cache.alloc_with_eviction(need)
+            new = self.caches[req.dp_rank].alloc_with_eviction(need)
             if new is not None:
                 req.pages.extend(new)
                 return True
-            victim = max((r for r in self.running if r is not req and not out.holds(r)),
+            # (only a request of the same pool frees pages for this one)
+            victim = max((r for r in self.running
+                          if r is not req and r.dp_rank == req.dp_rank and not out.holds(r)),
                          key=lambda r: r.arrival_time, default=None)
             if victim is None or victim.arrival_time < req.arrival_time:
                 victim = req  # nothing later to evict: this request itself waits
@@ -248,7 +274,7 @@ class Scheduler:
         # Recompute later from scratch (its full pages stay in the prefix cache, so little is lost).
         self.running.remove(req)
         self._publish(req)
-        self.allocator.decref(req.pages)
+        self.caches[req.dp_rank].allocator.decref(req.pages)
         req.pages, req.num_computed_tokens, req.num_cached_tokens = [], 0, 0
         req.spec = None  # the draft state belongs to KV that is gone; the recompute primes it again
         req.status = RequestStatus.WAITING
@@ -258,7 +284,7 @@ class Scheduler:
     def _publish(self, req: Request) -> None:
         """Register req's full pages in the prefix cache; only tokens whose KV is written count."""
         if self.config.enable_prefix_cache and req.num_computed_tokens:
-            self.prefix_cache.insert(req.all_token_ids[: req.num_computed_tokens], req.pages, req.block_keys)
+            self.caches[req.dp_rank].insert(req.all_token_ids[: req.num_computed_tokens], req.pages, req.block_keys)
 
     def update(self, out: SchedulerOutput) -> None:
         """Account the tokens computed by the step; call it before appending the sampled tokens."""
@@ -284,5 +310,5 @@ class Scheduler:
         if len(req.pages) > keep:
             # NOTE: these pages hold no computed token, so they were never published to the prefix cache and
             # this request is their only holder.
-            self.allocator.decref(req.pages[keep:])
+            self.caches[req.dp_rank].allocator.decref(req.pages[keep:])
             del req.pages[keep:]

@@ -205,15 +205,16 @@ class _NoRandomInit(torch.overrides.TorchFunctionMode):
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, device: str = "cpu",
                 prefix_chunk_tokens: int = 4096, fp8_linears: Optional[set[str]] = None,
-                tp: TPGroup = SINGLE, ep: bool = False) -> DeepseekV3:
-    """Allocate an uninitialised model (tp: this rank's shards, ep: of the experts rather than of each expert): each
+                tp: TPGroup = SINGLE, ep: bool = False, dp_attention: bool = False) -> DeepseekV3:
+    """Allocate an uninitialised model (tp: this rank's shards, ep: of the experts rather than of each expert,
+    dp_attention: attention whole on every rank): each
     parameter gets the dtype it will hold (fp8, fp32 scales, ...).
 
     fp8_linears names (by checkpoint name, e.g. model.layers.0.self_attn.q_a_proj) the Linear modules stored in
     FP8; by default every quantizable one is, when cfg.fp8 is set.
     """
     with torch.device("meta"), _NoRandomInit():
-        model = DeepseekV3(cfg, kernels, prefix_chunk_tokens, tp, ep)
+        model = DeepseekV3(cfg, kernels, prefix_chunk_tokens, tp, ep, dp_attention)
     hf_name = {t.param: name for name, t in checkpoint_names(model).items() if t.expert is None}
     for mod_name, module in model.named_modules():
         if isinstance(module, Linear) and module.block is not None and fp8_linears is not None \
@@ -243,14 +244,15 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends, d
 def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, kernels: KernelBackends,
                load_format: str = "auto", device: str = "cpu", prefix_chunk_tokens: int = 4096,
                progress: Optional[Callable[[str], None]] = None, seed: int = 0, tp: TPGroup = SINGLE,
-               ep: bool = False) -> DeepseekV3:
-    """The model with its weights; under tensor parallelism (tp; ep: expert parallelism) this rank's shards of them
+               ep: bool = False, dp_attention: bool = False) -> DeepseekV3:
+    """The model with its weights; under tensor parallelism (tp; ep: expert parallelism; dp_attention: attention
+    replicated) this rank's shards of them
     (dummy weights: the shards of the same random weights a single process draws)."""
     progress = progress or say
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy":
-        model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, tp=tp, ep=ep)
+        model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, tp=tp, ep=ep, dp_attention=dp_attention)
         init_dummy_weights(model, seed)
         model.post_load()
         return model
@@ -260,7 +262,7 @@ def load_model(model_dir: Optional[str], cfg: ModelConfig, dtype: torch.dtype, k
     fp8_linears = None
     if cfg.fp8:  # linears the checkpoint stores with block scales stay FP8; the others load unquantized
         fp8_linears = {k[: -len(".weight_scale_inv")] for k in keys if k.endswith(".weight_scale_inv")}
-    model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, fp8_linears, tp, ep)
+    model = build_model(cfg, dtype, kernels, device, prefix_chunk_tokens, fp8_linears, tp, ep, dp_attention)
     _load_tensors(model, cfg, _iter_tensors(files, progress), keys)
     model.post_load()
     return model

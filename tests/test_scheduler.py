@@ -28,12 +28,14 @@ def prompt(n: int, seed: int) -> list[int]:
 class Harness:
     """A Scheduler plus the engine loop around it: schedule -> fake forward -> update -> append -> finish."""
 
-    def __init__(self, page_size=4, num_pages=64, **sched):
+    def __init__(self, page_size=4, num_pages=64, dp=1, **sched):
+        """dp: DP-attention ranks, each with a pool of num_pages (and its own "KV cache")."""
         self.ps = page_size
-        self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = PrefixCache(self.allocator, page_size)
-        self.sched = Scheduler(SchedulerConfig(**sched), CacheConfig(page_size, num_pages), self.prefix_cache)
-        self.kv: list = [None] * (num_pages * page_size)  # token id per slot, None = never written
+        self.caches = [PrefixCache(PageAllocator(num_pages), page_size) for _ in range(dp)]
+        self.prefix_cache, self.allocator = self.caches[0], self.caches[0].allocator
+        self.sched = Scheduler(SchedulerConfig(**sched), CacheConfig(page_size, num_pages), self.prefix_cache,
+                               dp_caches=self.caches[1:])
+        self.kvs: list[list] = [[None] * (num_pages * page_size) for _ in range(dp)]  # token id per slot, per rank
         self.steps: list[SchedulerOutput] = []
         self.samples: list[list[bool]] = []  # per step, PrefillChunk.samples as scheduled (it reads live state)
         self.arrivals = 0
@@ -49,10 +51,11 @@ class Harness:
         """Write KV for tokens [start, end), read [0, end) back, and return the token sampled from it."""
         assert len(req.pages) * self.ps >= end, f"{req.request_id}: tokens up to {end} beyond its pages"
         slot = lambda p: req.pages[p // self.ps] * self.ps + p % self.ps  # noqa: E731
+        kv, allocator = self.kvs[req.dp_rank], self.caches[req.dp_rank].allocator  # its rank's pool
         for p in range(start, end):
-            assert self.allocator.refcount(req.pages[p // self.ps]) == 1, f"{req.request_id} writes a shared page"
-            self.kv[slot(p)] = req.all_token_ids[p]
-        seen = [self.kv[slot(p)] for p in range(end)]
+            assert allocator.refcount(req.pages[p // self.ps]) == 1, f"{req.request_id} writes a shared page"
+            kv[slot(p)] = req.all_token_ids[p]
+        seen = [kv[slot(p)] for p in range(end)]
         assert seen == req.all_token_ids[:end], f"{req.request_id} reads KV that is not its own tokens"
         return fake_token(seen)
 
@@ -95,24 +98,29 @@ class Harness:
                 assert r.pages == [] and r.num_computed_tokens == 0
 
     def check_pages(self) -> None:
-        """Pages cover computed tokens; a page held by several requests is shared through the prefix cache."""
-        holders: dict[int, int] = {}
-        for r in self.sched.running:
-            assert len(r.pages) * self.ps >= r.num_computed_tokens
-            assert len(set(r.pages)) == len(r.pages)
-            for p in r.pages:
-                holders[p] = holders.get(p, 0) + 1
+        """Pages cover computed tokens; a page held by several requests is shared through the prefix cache (of
+        each DP rank's pool)."""
         assert all(not r.pages for r in self.sched.waiting)
-        for p, n in holders.items():
-            assert self.allocator.refcount(p) - n in (0, 1), f"page {p}: refcount vs {n} holders"
-            if n > 1:
-                assert self.allocator.refcount(p) == n + 1, f"page {p} shared by {n} requests outside the cache"
-        assert self.allocator.num_used == len(holders) + self.prefix_cache.num_cache_only_pages
+        for rank, cache in enumerate(self.caches):
+            holders: dict[int, int] = {}
+            for r in self.sched.running:
+                if r.dp_rank != rank:
+                    continue
+                assert len(r.pages) * self.ps >= r.num_computed_tokens
+                assert len(set(r.pages)) == len(r.pages)
+                for p in r.pages:
+                    holders[p] = holders.get(p, 0) + 1
+            for p, n in holders.items():
+                assert cache.allocator.refcount(p) - n in (0, 1), f"page {p}: refcount vs {n} holders"
+                if n > 1:
+                    assert cache.allocator.refcount(p) == n + 1, f"page {p} shared by {n} requests outside the cache"
+            assert cache.allocator.num_used == len(holders) + cache.num_cache_only_pages
 
     def assert_idle(self) -> None:
         assert not self.sched.has_unfinished
-        self.prefix_cache.reset()
-        assert self.allocator.num_used == 0
+        for cache in self.caches:
+            cache.reset()
+            assert cache.allocator.num_used == 0
 
     def chunks(self, req: Request) -> list[tuple[int, int, bool, int]]:
         """(start, num_tokens, samples, step) of each prefill chunk of req."""
@@ -285,4 +293,38 @@ def test_abort_waiting_and_running_requests_frees_pages():
     for r in (running, waiting):
         assert r.finish_reason is FinishReason.ABORT and r.status is RequestStatus.FINISHED
     assert h.sched.abort("nope") is None and h.sched.abort(running.request_id) is None
+    h.assert_idle()
+
+
+# ---- DP attention: one pool per rank ---------------------------------------------------------------------------
+def test_dp_attention_spreads_requests_and_holds_twice_the_tokens():
+    """Two ranks, each with the pool one TP rank would have: requests go to the least-loaded rank and live in its
+    pool, so two requests that each need most of one pool run at once; with one pool (TP) the second waits."""
+    big = [prompt(50, 1), prompt(50, 2)]  # 50 + 4 tokens: 14 of the 16 pages of one pool
+    outs = {}
+    for dp in (1, 2):
+        h = Harness(page_size=4, num_pages=16, dp=dp, max_num_batched_tokens=128)
+        reqs = [h.add(ids, max_new=4) for ids in big]
+        h.step()
+        outs[dp] = (len(h.sched.running), [r.dp_rank for r in h.sched.running])
+        h.run()
+        assert [r.output_ids for r in reqs] == [run_alone(ids, 4) for ids in big]
+        assert all(r.num_preemptions == 0 for r in reqs)
+        h.assert_idle()
+    assert outs == {1: (1, [0]), 2: (2, [0, 1])}
+
+
+def test_dp_attention_places_by_load_and_preempts_within_a_rank():
+    """Mixed lengths over two small pools: every token as computed alone, pages only in the request's rank's pool
+    (Harness checks each), preemptions only when that rank's pool is full, and ranks idle in turn at the end."""
+    h = Harness(page_size=2, num_pages=12, dp=2, max_num_batched_tokens=16)
+    reqs = [h.add(prompt(n, i), max_new=m) for i, (n, m) in enumerate([(9, 12), (3, 2), (17, 6), (5, 18), (11, 3),
+                                                                       (2, 9)])]
+    per_step = []
+    while h.sched.has_unfinished:
+        assert not h.step().is_empty
+        per_step.append(h.sched.running_per_rank())
+    assert [r.output_ids for r in reqs] == [run_alone(r.prompt_ids, r.params.max_new_tokens) for r in reqs]
+    assert {r.dp_rank for r in reqs} == {0, 1} and any(r.num_preemptions for r in reqs)
+    assert any(min(n) == 0 < max(n) for n in per_step)  # one rank idle while the other works
     h.assert_idle()

@@ -1,7 +1,7 @@
 """Tensor parallelism end to end on the CPU (Gloo, fp32): an engine of 2 ranks (this process and a real second
 process) gives the single-process engine's greedy tokens, on the trained demo model (NextN speculation included),
-on random V3 and V2 models and on a block-FP8 one, with each expert split (TP) or the experts split (EP); prompts
-are batched, chunked and hit the prefix cache."""
+on random V3 and V2 models and on a block-FP8 one, with each expert split (TP) or the experts split (EP), and with
+attention data-parallel over the requests (DP attention); prompts are batched, chunked and hit the prefix cache."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ def one_thread_per_rank():
     torch.set_num_threads(before)
 
 
-def engine(model_dir, tp: int, ep: int = 1, **kw) -> LLMEngine:
+def engine(model_dir, tp: int, ep: int = 1, dp_attention: bool = False, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(str(model_dir), dtype="float32", cache=CacheConfig(page_size=4, num_pages=256),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=48, max_running_requests=8),
-                                  parallel=ParallelConfig(tp_size=tp, ep_size=ep), **kw), progress=lambda _m: None)
+                                  parallel=ParallelConfig(tp_size=tp, ep_size=ep, dp_attention=dp_attention), **kw),
+                     progress=lambda _m: None)
 
 
 def outputs(e: LLMEngine, prompts) -> list[tuple[list[int], int]]:
@@ -112,3 +113,39 @@ def test_tp2_gives_the_single_process_tokens_on_random_models(model, ep, request
 @pytest.mark.parametrize("ep", [1, 2])
 def test_tp2_gives_the_single_process_tokens_with_fp8_blocks(tmp_path, tiny_v3_dir, ep):
     compare(fp8_checkpoint(tmp_path / "fp8-32", tiny_v3_dir, 32), ID_PROMPTS, ep)
+
+
+def test_dp_attention_gives_the_single_process_tokens(trained_model_dir, trained):
+    """TP2 + DP attention: each request's attention on one rank, over that rank's own pool; the MLP/MoE over both
+    ranks' tokens. Prompts of different lengths and output budgets keep both ranks busy, then leave one idle while
+    the other still decodes (it joins every collective with no tokens)."""
+    single, want = trained
+    parallel = engine(trained_model_dir, 2, dp_attention=True)
+    try:
+        assert parallel.model.layers[0].self_attn.num_heads == parallel.model_config.num_attention_heads  # whole
+        assert parallel.kv_capacity_tokens == 2 * single.kv_capacity_tokens
+        got = outputs(parallel, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS)
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+
+        prompts = [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 12, 5, 9, 1, 7)]
+        ids = [parallel.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final, per_step = {}, []
+        while parallel.has_unfinished:
+            per_step.append(tuple(parallel.scheduler.running_per_rank()))
+            final.update((o.request_id, o.output_ids) for o in parallel.step() if o.finished)
+        assert any(min(n) > 0 for n in per_step) and any(min(n) == 0 < max(n) for n in per_step), per_step
+        assert [final[i] for i in ids] == [o.output_ids for o in single.generate(prompts, params)]
+    finally:
+        parallel.close()
+
+
+def test_dp_attention_with_ep_and_nextn_is_lossless(trained_model_dir, trained):
+    """DP attention over expert-parallel MoEs, drafts chained through the MTP layer (its attention DP too)."""
+    _, want = trained
+    parallel = engine(trained_model_dir, 2, ep=2, dp_attention=True, speculative=SpeculativeConfig("NEXTN", 3))
+    try:
+        got = outputs(parallel, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS)
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    finally:
+        parallel.close()

@@ -1,6 +1,7 @@
-"""A tensor-parallel `pdserve generate --tp 2` (real processes) whose rank dies mid-run ends, within seconds and
-without hanging in a collective, with a message naming the rank; when rank 0 dies the other rank ends by itself.
-And the flag's user errors: one line, exit 2."""
+"""A tensor-parallel `pdserve generate --tp 2` (real processes, plain TP and DP attention) whose rank dies mid-run
+ends, within seconds and without hanging in a collective, with a message naming the rank; a rank that hangs
+(stopped) ends it once a collective waits past --collective-timeout; when rank 0 dies the other rank ends by itself.
+And the flags' user errors: one line, exit 2."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def _start(tmp_path):
+def _start(tmp_path, *extra):
     """The running generate process and its rank 1's pid, once the model is ready and decoding."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "generate", *LONG_RUN], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "generate", *LONG_RUN, *extra], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines, rank1 = [], None
     for line in proc.stderr:
@@ -45,21 +46,40 @@ def _start(tmp_path):
     return proc, rank1, lines
 
 
-def test_a_killed_rank_ends_the_worker_with_its_name(tmp_path):
-    proc, rank1, lines = _start(tmp_path)
-    os.kill(rank1, signal.SIGKILL)
-    killed = time.monotonic()
+def _signal_and_wait(proc, rank1: int, lines: list[str], sig) -> tuple[float, str]:
+    """Send rank 1 `sig`; (seconds until the worker ended, everything it printed). Nothing outlives the test."""
+    os.kill(rank1, sig)
+    sent = time.monotonic()
     try:
-        rest = proc.communicate(timeout=20)[1]
+        rest = proc.communicate(timeout=30)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
-    took = time.monotonic() - killed
-    err = "".join(lines) + rest
+        if not _gone(rank1):
+            os.kill(rank1, signal.SIGKILL)
+    return time.monotonic() - sent, "".join(lines) + rest
+
+
+@pytest.mark.parametrize("extra", [(), ("--dp-attention",)], ids=["tp", "dp-attention"])
+def test_a_killed_rank_ends_the_worker_with_its_name(tmp_path, extra):
+    """Under DP attention the one request runs on rank 0: rank 1, idle, is killed inside the step's collectives."""
+    proc, rank1, lines = _start(tmp_path, *extra)
+    took, err = _signal_and_wait(proc, rank1, lines, signal.SIGKILL)
     assert proc.returncode == 1, err[-3000:]
     assert "tensor-parallel rank 1 of 2" in err and "was killed by SIGKILL" in err, err[-3000:]
     assert took < 10, f"the worker took {took:.1f}s to stop"
     print(f"stopped {took:.2f}s after rank 1 was killed: {err.strip().splitlines()[-1]}")
+
+
+def test_a_hung_rank_ends_the_worker_within_the_collective_timeout(tmp_path):
+    """Rank 1 stopped (SIGSTOP: alive, its sockets open, so no collective fails at once): rank 0's next collective
+    waits --collective-timeout, then the worker ends with exit 1 and says what happened."""
+    proc, rank1, lines = _start(tmp_path, "--dp-attention", "--collective-timeout", "2")
+    took, err = _signal_and_wait(proc, rank1, lines, signal.SIGSTOP)
+    assert proc.returncode == 1, err[-3000:]
+    assert "RanksOutOfStep" in err and "collective timeout (2s, --collective-timeout)" in err, err[-3000:]
+    assert took < 15, f"the worker took {took:.1f}s to stop"
+    print(f"stopped {took:.2f}s after rank 1 hung: {err.strip().splitlines()[-1]}")
 
 
 def test_rank_1_ends_when_rank_0_is_killed(tmp_path):
@@ -81,6 +101,12 @@ def test_rank_1_ends_when_rank_0_is_killed(tmp_path):
      "--ep 4: expert parallelism splits the routed experts over the --tp ranks; give --ep 2 (or 1)"),
     (["decode", "--tp", "3", "--device", "cpu", "--port", "0", "--metrics-port", "0"],
      "--tp 3 does not divide num_attention_heads=4 of tiny-trained"),
+    (["generate", "--dp-attention", "--input-ids", "1,2", "--device", "cpu"],
+     "--dp-attention spreads requests over the --tp ranks; give --tp 2 or more"),
+    (["decode", "--tp", "2", "--dp-attention", "--device", "cpu", "--port", "0", "--metrics-port", "0"],
+     "--dp-attention: not available on `pdserve decode` yet"),
+    (["generate", "--tp", "2", "--collective-timeout", "0", "--input-ids", "1,2", "--device", "cpu"],
+     "--collective-timeout 0: must be a positive number of seconds"),
 ])
 def test_tp_user_errors_are_one_line(argv, message, capsys):
     assert cli.main(argv) == 2

@@ -81,6 +81,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", type=int, default=1, metavar="N",
                    help="expert parallelism: the routed experts split over the --tp ranks, each expert whole on one "
                         "rank, instead of each expert's intermediate; N = --tp (default 1: off)")
+    g.add_argument("--dp-attention", action="store_true",
+                   help="with --tp N (generate only): attention data-parallel over requests, each rank running "
+                        "its own requests' attention over its own latent-KV pool (the --num-pages pool per rank: N "
+                        "times the tokens of --tp alone), the MLP/MoE still split over the ranks; decodes without "
+                        "CUDA graphs")
+    g.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="with --tp N: a collective that waits longer than this for the other ranks fails the "
+                        "worker with an error instead of hanging (a rank that is stuck; one that dies fails it at "
+                        "once) (default 300)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the configured shapes, no files needed")
     g.add_argument("--attention-backend", default="auto", choices=LazyChoices(attention_backend_names),
@@ -132,6 +141,9 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
 
     args.model = resolve_model_dir(args.model)
     tp = getattr(args, "tp", 1)
+    if args.dp_attention and getattr(args, "command", "generate") != "generate":
+        # each request's KV lives on one rank's pool, which the KV transfers of the tiers do not address yet
+        raise UsageError(f"--dp-attention: not available on `pdserve {args.command}` yet (pdserve generate only)")
     device = args.device
     if device == "auto":
         import torch
@@ -148,7 +160,8 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         attention_backend=attention, moe_backend=moe, gemm_backend=gemm,
         cuda_graph=CudaGraphConfig(enabled=graphed_decode, max_bs=args.cuda_graph_max_bs),
         overlap_schedule=not args.disable_overlap_schedule,
-        parallel=ParallelConfig(tp_size=tp, ep_size=getattr(args, "ep", 1)),
+        parallel=ParallelConfig(tp_size=tp, ep_size=getattr(args, "ep", 1), dp_attention=args.dp_attention,
+                                collective_timeout_s=args.collective_timeout),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages),
         speculative=SpeculativeConfig(args.speculative_algorithm, args.speculative_num_steps,
                                       args.speculative_num_draft_tokens),

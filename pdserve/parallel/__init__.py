@@ -7,6 +7,7 @@ nothing themselves. The model is the same file on every rank; its layers split t
 
   group.py   TPGroup: this rank, the group size and the collectives (Gloo on the CPU, NCCL on GPUs)
   linear.py  ColumnParallelLinear, RowParallelLinear (+ all-reduce), each loading only its shard
+  dp_attention.py  DP attention: each rank attends over its own requests, the MLP/MoE over every rank's tokens
   steps.py   what rank 0 hands the other ranks per model call: a header through a pipe, tensors by broadcast
   driver.py  rank 0's handle on the model: every call announced to the other ranks, then run
   ranks.py   rank 0 starts, watches and stops the other ranks; a dead rank ends the worker (RankDied)

@@ -12,13 +12,15 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.forward_batch import ForwardBatch
+from pdserve.parallel import dp_attention
 from pdserve.parallel.ranks import Ranks
 from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, send_batch, send_graph_inputs, send_kv
 
 
 class Driver:
-    def __init__(self, model, ranks: Ranks):
-        self.model, self.ranks = model, ranks
+    def __init__(self, model, ranks: Ranks, dp_size: int = 1):
+        """dp_size: ranks with requests of their own (DP attention: every rank; 1 under plain TP)."""
+        self.model, self.ranks, self.dp_size = model, ranks, dp_size
         self.cfg, self.kernels = model.cfg, model.kernels
 
     @property
@@ -29,7 +31,10 @@ class Driver:
         with self.ranks.guard():
             self.ranks.announce(ForwardCall.of(batch))
             send_batch(self.ranks.group, batch, None)
-            return self.model(batch, kv_cache)
+            if batch.dp_ranks is None:
+                return self.model(batch, kv_cache)
+            local, _, restore = dp_attention.split(batch, batch.dp_ranks, self.ranks.group)
+            return self.model(local, kv_cache)[restore]  # every rank's rows, in the batch's order
 
     def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, kv_cache: torch.Tensor, depth: int = 0,
                     logits: bool = True):
@@ -38,7 +43,11 @@ class Driver:
         with self.ranks.guard():
             self.ranks.announce(ForwardCall.of(batch, prev_hidden, depth))
             send_batch(self.ranks.group, batch, prev_hidden)
-            return self.model.mtp_forward(batch, prev_hidden, kv_cache, depth, logits)
+            if batch.dp_ranks is None:
+                return self.model.mtp_forward(batch, prev_hidden, kv_cache, depth, logits)
+            local, prev, restore = dp_attention.split(batch, batch.dp_ranks, self.ranks.group, prev_hidden)
+            draft, h = self.model.mtp_forward(local, prev, kv_cache, depth, logits)
+            return (None if draft is None else draft[restore]), h[restore]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)

@@ -36,6 +36,14 @@ class TPGroup:
             self._group.broadcast(x, src).wait()
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` (the same shape on each), stacked: (size, *x.shape); (1, *x.shape) at size 1."""
+        if self.size == 1:
+            return x[None]
+        out = x.new_empty(self.size, *x.shape)
+        self._group.allgather([list(out.unbind(0))], [x.contiguous()]).wait()
+        return out
+
     def close(self) -> None:
         """Release the process group (NCCL warns at exit about one never shut down); at rank 0's stop."""
         if self._group is not None:

@@ -53,6 +53,12 @@ class RankDied(Exception):
     the user's to fix (the CLI prints its traceback and exits 1)."""
 
 
+class RanksOutOfStep(RankDied):
+    """A step failed on rank 0 while every rank was still running: most often a collective that waited past the
+    collective timeout for a rank that hangs (or was stopped). The other ranks are then mid-step, out of step with
+    rank 0, so the worker cannot go on either."""
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -78,8 +84,10 @@ class Ranks:
                  progress: Callable[[str], None]):
         parallel = engine.parallel
         self.size, self.progress = parallel.tp_size, progress
+        self.timeout_s = parallel.collective_timeout_s
         self.failure: Optional[str] = None
         self._failed, self._closing = threading.Event(), threading.Event()
+        self._out_of_step: Optional[str] = None  # why, once a step failed with every rank running
         self._lock = threading.Lock()
         self._ranks: list[_Rank] = []
         store = store_for(0, self.size, 0, START_TIMEOUT_S)
@@ -126,21 +134,28 @@ class Ranks:
         os._exit(1)
 
     def check(self) -> None:
-        """RankDied when a rank has died."""
+        """RankDied when a rank has died, RanksOutOfStep once a step failed with every rank running."""
         if self._failed.is_set():
             raise RankDied(self.failure)
+        if self._out_of_step is not None:
+            raise RanksOutOfStep(self._out_of_step)
 
     @contextlib.contextmanager
     def guard(self):
-        """Around rank 0's part of a call every rank makes: RankDied, naming the rank, when one has died (a failed
-        collective or pipe behind which no rank died is raised as it is)."""
+        """Around rank 0's part of a call every rank makes: RankDied, naming the rank, when one has died; else
+        RanksOutOfStep (the failed collective, e.g. a timeout, chained): either way the worker cannot go on."""
         self.check()
         try:
             yield
         except (RuntimeError, OSError, EOFError) as e:
             if self._failed.wait(NOTICE_S):
                 raise RankDied(self.failure) from e
-            raise
+            self._out_of_step = (f"a step of the {self.size} tensor-parallel ranks failed on rank 0 with every rank "
+                                 f"still running: {str(e).splitlines()[0] if str(e) else type(e).__name__}. A "
+                                 f"collective fails so when a rank does not join it within the collective timeout "
+                                 f"({self.timeout_s:g}s, --collective-timeout): a rank hangs. The ranks are out of "
+                                 "step, so this worker stops")
+            raise RanksOutOfStep(self._out_of_step) from e
 
     # ---- calls -------------------------------------------------------------------------------------------------
     def announce(self, call: Any) -> None:
@@ -168,6 +183,8 @@ class Ranks:
             self._closing.set()
         atexit.unregister(self.close)
         for r in self._ranks:
+            if self._out_of_step is not None:
+                r.process.kill()  # mid-step (or hung): no stop message would be read
             with contextlib.suppress(OSError, ValueError):
                 r.conn.send(None)
         for r in self._ranks:
@@ -187,4 +204,4 @@ class Ranks:
         return [r.process.pid for r in self._ranks]
 
 
-__all__ = ["Ranks", "RankDied"]
+__all__ = ["Ranks", "RankDied", "RanksOutOfStep"]

@@ -33,15 +33,17 @@ class ForwardCall:
     page_tables: Optional[tuple[tuple[int, ...], ...]] = None
     hidden_dtype: Optional[torch.dtype] = None  # mtp: prev_hidden's
     depth: int = 0
+    dp_ranks: Optional[tuple[int, ...]] = None  # DP attention: each sequence's rank (pdserve.parallel.dp_attention)
 
     @classmethod
     def of(cls, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None, depth: int = 0) -> "ForwardCall":
+        dp = None if batch.dp_ranks is None else tuple(batch.dp_ranks)
         if batch.mode is ForwardMode.EXTEND:
             return cls(prev_hidden is not None, batch.mode, batch.num_tokens, 0, tuple(batch.qo_indptr),
                        tuple(batch.prefix_lens), tuple(map(tuple, batch.page_tables)),
-                       None if prev_hidden is None else prev_hidden.dtype, depth)
+                       None if prev_hidden is None else prev_hidden.dtype, depth, dp)
         return cls(prev_hidden is not None, batch.mode, batch.num_tokens, batch.page_table.shape[1],
-                   hidden_dtype=None if prev_hidden is None else prev_hidden.dtype, depth=depth)
+                   hidden_dtype=None if prev_hidden is None else prev_hidden.dtype, depth=depth, dp_ranks=dp)
 
 
 @dataclass(frozen=True)
@@ -96,13 +98,14 @@ def receive_batch(tp: TPGroup, call: ForwardCall, device: torch.device, page_siz
     prev = None
     if call.mtp:
         prev = tp.broadcast(torch.empty(n, hidden_size, dtype=call.hidden_dtype, device=device))
+    dp = None if call.dp_ranks is None else list(call.dp_ranks)
     if decode:
         batch = ForwardBatch(ForwardMode.DECODE, buf[:n], buf[n:2 * n], buf[2 * n:3 * n], page_size,
-                             page_table=buf[4 * n:].view(n, call.width), seq_lens=buf[3 * n:4 * n])
+                             page_table=buf[4 * n:].view(n, call.width), seq_lens=buf[3 * n:4 * n], dp_ranks=dp)
     else:
         batch = ForwardBatch(ForwardMode.EXTEND, buf[:n], buf[n:2 * n], buf[2 * n:], page_size,
                              qo_indptr=list(call.qo_indptr), prefix_lens=list(call.prefix_lens),
-                             page_tables=[list(p) for p in call.page_tables])
+                             page_tables=[list(p) for p in call.page_tables], dp_ranks=dp)
     return batch, prev
 
 

@@ -24,6 +24,7 @@ from pdserve.cuda_streams import make_current
 from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import LatentKVPool
 from pdserve.model_runner import build_graph_runners
+from pdserve.parallel import dp_attention
 from pdserve.parallel.group import connect, store_for
 from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, receive_batch, receive_graph_inputs, receive_kv
 from pdserve.weights import load_model, resolve_dtype
@@ -59,7 +60,7 @@ class RankLoop:
         kernels = KernelBackends.create(config.attention_backend, config.moe_backend, config.gemm_backend)
         self.model = load_model(config.model_dir, cfg, dtype, kernels, config.load_format, config.device,
                                 config.prefix_chunk_tokens, progress=lambda _msg: None, tp=self.tp,
-                                ep=parallel.ep_size > 1)
+                                ep=parallel.ep_size > 1, dp_attention=parallel.dp_attention)
         self.pool = LatentKVPool(cfg.num_kv_layers, cfg.kv_cache_dim, config.cache, dtype, config.device)
         spec = config.speculative
         self.graphs = build_graph_runners(self.model, self.pool, kernels, config.cuda_graph, config.device,
@@ -80,6 +81,8 @@ class RankLoop:
 
     def _forward(self, call: ForwardCall) -> None:
         batch, prev_hidden = receive_batch(self.tp, call, self.device, self.pool.page_size, self.cfg.hidden_size)
+        if batch.dp_ranks is not None:  # DP attention: this rank's requests out of the whole step
+            batch, prev_hidden, _ = dp_attention.split(batch, batch.dp_ranks, self.tp, prev_hidden)
         if call.mtp:
             self.model.mtp_forward(batch, prev_hidden, self.pool.kv, call.depth, logits=False)
         else:
