@@ -42,6 +42,12 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
   kv         two GPUs: the two-GPU tests (the engine on the last GPU, prefill on GPU 0 and decode on GPU 1 over each
              transport, the NCCL and NIXL transports' own) and bench_kv_transfer.py GPU 0 -> GPU 1 for cuda_ipc, nccl
              and nixl against a peer copy (on one GPU it says so and exits 0) (~10 min)
+  tp         two GPUs: workers that span GPUs (issue 45), bench_tp.py: TP1 vs TP2 vs TP2 + DP attention vs EP2 on the
+             V3 slice (decode step at batch 1 / 32 / 128, prefill tok/s at 4k and 16k, KV capacity in tokens at the
+             same memory fraction) and a 16-layer + NextN V3 configuration (more than one H200 holds) through
+             `pdserve generate --tp 2`; one table with each target met or missed (< 9 min: what does not fit its time
+             budget is reported not run; extra args go to bench_tp.py, e.g. --configs tp1 tp2 --skip-big). Its tests,
+             in a call of their own: python3 -m pytest tests/test_gpu_tp.py
   overlap    overlap scheduling on and off through the product: bench_serving.py on the demo model at concurrency 1
              and 32, once as shipped and once with --disable-overlap-schedule on both sides (~3 min)
   ttft       where a prompt's time goes: the prefill step in one process (engine, + hooks, the worker's own) with
@@ -302,6 +308,12 @@ suite_kv() {  # two GPUs: kv.log, kv_nccl.json, kv_cuda_ipc.json, kv_nixl.json
   step 200 python3 benchmarks/bench_kv_transfer.py --backend nixl --out "$d/kv_nixl.json" --iters 6 "$@"
 }
 
+suite_tp() {  # two GPUs: tp.log, tp.json, tp.md (and the generated V3 configs)
+  local d=$1
+  shift
+  step 540 python3 benchmarks/bench_tp.py --out "$d" --time-budget-s 520 "$@"
+}
+
 suite_pd() {  # two GPUs: pd.log, pd.md, pd_auto/ pd_nccl/ pd_tcp/ colocated/ long/ (each bench_serving.py's files)
   # The disaggregated stack on two GPUs against the engine alone and two colocated replicas, V3 slice, 2048 in / 64
   # out; benchmarks/pd_report.py makes the table from whichever layouts ran. PD_LAYOUTS picks them (default: all;
@@ -432,7 +444,7 @@ case "$suite" in
     need_gpus 1 kv-ipc
     setup_env
     run_suite kv-ipc "$@" ;;
-  kv | pd)
+  kv | pd | tp)
     need_gpus 2 "$suite"
     setup_env
     run_suite "$suite" "$@" ;;
