@@ -40,6 +40,9 @@ DATA_TAG, POISON_TAG = 0, 1  # Gloo matches ops by (peer, tag); nothing is ever 
 # with TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (pdserve's CLI sets that for nccl workers): our own deadlines come first.
 NCCL_WATCHDOG_MARGIN_S = 120.0
 ABANDON_AFTER_CLOSE_S = 10.0  # an NCCL op still running this long after abort(): give up on it (logged)
+# The longest pause between two polls of an NCCL op's event: the decode worker learns that a room landed only at a
+# poll, so up to this much is added to every room's latency, and on NVLink a whole room takes only milliseconds.
+NCCL_POLL_MAX_S = 2e-4
 
 OnComplete = Callable[[Optional[str]], None]  # error message, None on success
 
@@ -61,10 +64,11 @@ class CollectiveBackend(ABC):
 
     @abstractmethod
     def post(self, group: Any, tensors: Sequence[torch.Tensor], send: bool, peer: int,
-             then: Optional[Callable[[], None]] = None) -> Any:
+             then: Optional[Callable[[], None]] = None, then_stream: Any = None) -> Any:
         """Post one op per tensor, in order, counted as one batch; returns the completion token for `wait`.
         `then`: device work that reads what the batch received, run once it landed and before the batch counts as
-        resolved (NCCL: queued on the pair's stream behind the ops; Gloo: run by `wait` after the ops)."""
+        resolved (NCCL: queued on `then_stream` behind the ops, so the next batch's ops are not queued behind it;
+        Gloo: run by `wait` after the ops)."""
 
     @abstractmethod
     def wait(self, token: Any, op_timeout_s: float, closed: Callable[[], bool]) -> Optional[str]:
@@ -103,7 +107,7 @@ class GlooBackend(CollectiveBackend):
         opts._timeout = _delta(connect_timeout_s)
         return ProcessGroupGloo(store, rank, 2, opts)
 
-    def post(self, group, tensors, send, peer, then=None):
+    def post(self, group, tensors, send, peer, then=None, then_stream=None):
         op = group.send if send else group.recv
         return [op([t], peer, DATA_TAG) for t in tensors], then  # Gloo does not coalesce p2p: one Work per tensor
 
@@ -142,7 +146,7 @@ class NcclBackend(CollectiveBackend):
         group.eager_connect_single_device(device)
         return group
 
-    def post(self, group, tensors, send, peer, then=None):
+    def post(self, group, tensors, send, peer, then=None, then_stream=None):
         op = group.send if send else group.recv
         group._start_coalescing()  # one ncclGroupStart/End: the runs of a layer launch as one op
         works = [op([t], peer, DATA_TAG) for t in tensors]
@@ -151,9 +155,15 @@ class NcclBackend(CollectiveBackend):
         for work in works:
             if work is not None:  # ops inside a coalescing group may return no Work of their own
                 work.wait()  # the current stream (the pair's) waits for NCCL's; the host does not
-        if then is not None:
-            then()  # queued on the pair's stream, behind the ops
-        done.record()
+        if then is None:
+            done.record()
+            return done
+        # NOTE: NCCL orders each op after the current stream (the pair's): were `then` queued there, the next
+        # batch's receive would wait for this batch's scatter; on a stream of its own the two overlap.
+        then_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(then_stream):
+            then()
+            done.record()
         return done
 
     def wait(self, token, op_timeout_s, closed):
@@ -169,7 +179,7 @@ class NcclBackend(CollectiveBackend):
             elif now - start > op_timeout_s:
                 return f"the op did not complete within {op_timeout_s:g} s"
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, NCCL_POLL_MAX_S)
         # NOTE: abort() ends the kernels too, so an op that finished around a teardown cannot be trusted.
         return "the process group was aborted" if closed() else None
 
@@ -219,6 +229,7 @@ class ProcessGroupPair:
         self.comm_bytes = 0  # device memory the communicator took (measured around its creation)
         self._group, self._store = group, store  # the store stays alive as long as the group may use it
         self._stream = backend.new_stream(device)
+        self._then_stream = backend.new_stream(device)  # what reads a batch once it landed (the decode's scatter)
         self._lock = threading.Lock()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()  # _Op, then None after close()
         self.closed = False
@@ -270,7 +281,7 @@ class ProcessGroupPair:
             if self.closed:
                 raise RuntimeError(f"the KV process group {self.name} was torn down")
             with self.backend.on_stream(self.device, self._stream, after):
-                token = self.backend.post(self._group, tensors, send, self.peer, then)
+                token = self.backend.post(self._group, tensors, send, self.peer, then, self._then_stream)
             self._ops.put(_Op(token, tensors, on_complete))
 
     def close(self, reason: str) -> None:

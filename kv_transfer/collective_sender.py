@@ -1,10 +1,10 @@
 """Prefill side of the collective KV transports: the pairing that joins the decode worker's process group (named in
 its HELLO_OK) and the data plane that sends the rows over it, one op per LAYER announcement.
 
-Per layer, or per run of layers, the rows are gathered into one contiguous block on the caller's stream and an event
-is recorded after the gather (NCCL); the connection's writer thread then writes the LAYER announcement (the layers and
-the token count, so the block's size) and right after it posts the block's one send on the pair's stream behind that
-event. One thread does both, in queue order, so the op streams of interleaved rooms match the announcements the
+Per layer, or per run of layers (a large one cut into a few runs on a GPU, `pages.gather_chunks`), the rows are
+gathered into one contiguous block on the caller's stream and an event is recorded after the gather (NCCL); the
+connection's writer thread then writes the LAYER announcement (the layers and the token count, so the block's size)
+and right after it posts the block's one send on the pair's stream behind that event. One thread does both, in queue order, so the op streams of interleaved rooms match the announcements the
 decode worker reads, in the same order. The decode worker receives the block whole and scatters it into the reserved
 pages (`pages.py`).
 """
@@ -18,6 +18,7 @@ import torch
 from .base import KVTransferError, gather_layers
 from .collective_pair import BACKENDS, PREFILL_RANK, ProcessGroupPair
 from .control_sender import RoomHandle
+from .pages import Chunk, chunk_count, gather_chunks
 from .plane import SendPairing, SendPlane
 from .wire import LAYER, ProtocolError, parse_endpoint
 
@@ -65,14 +66,22 @@ class CollectiveSendPlane(SendPlane):
     def send(self, handle: RoomHandle, layers: list[int], source: torch.Tensor,
              slots: Optional[torch.Tensor]) -> None:
         # NOTE: gathered on the caller's stream, so the caller may overwrite or free its source right away; the
-        # event after the gather is what the send waits for, so the forward's next layers are not held up.
-        rows = gather_layers(source, slots)  # (num_tokens, kv_dim) for one layer, (layers, num_tokens, kv_dim)
-        ready = self.pair.ready_event()
-        n = rows.shape[-2]
-        handle.bytes_sent += rows.numel() * rows.element_size()
-        header = {"layer": layers[0]} if len(layers) == 1 else {"layers": layers}
-        self.conn.put(handle, LAYER, {**header, "num_tokens": n},
-                      post=lambda: self.pair.post([rows], send=True, after=ready))
+        # event after the gather is what the send waits for, so the forward's next layers are not held up. A large
+        # run of layers (a whole prompt at once) goes as a few ops of runs of layers, each announced and sent on its
+        # own: one run's gather, its crossing and the decode worker's scatter of the run before it overlap.
+        n = handle.num_tokens
+        if source.dim() == 2 or self.device.type != "cuda":
+            runs = [Chunk(0, gather_layers(source, slots), self.pair.ready_event())]
+        else:
+            runs = gather_chunks(source, slots, chunk_count(source.shape[0] * n * source.shape[-1]
+                                                            * source.element_size()))
+        for run in runs:
+            rows, ready = run.rows, run.ready  # (num_tokens, kv_dim) for one layer, else (layers, num_tokens, kv_dim)
+            handle.bytes_sent += rows.numel() * rows.element_size()
+            part = layers[run.first:run.first + (rows.shape[0] if rows.dim() == 3 else 1)]
+            header = {"layer": part[0]} if len(part) == 1 else {"layers": part}
+            self.conn.put(handle, LAYER, {**header, "num_tokens": n},
+                          post=lambda rows=rows, ready=ready: self.pair.post([rows], send=True, after=ready))
 
     def broken(self, error: KVTransferError) -> None:
         self.pair.close(error.message)

@@ -91,6 +91,16 @@ class Connection:
         self.queue.put(None)
         self.plane.broken(self.broken)  # the first error is the one worth logging
 
+    def write_now(self, frame) -> bool:
+        """Write one frame now: the writer thread's own call, also for a builder that announces rows as they land
+        before it returns its last frame. False: the connection broke (and was broken here)."""
+        try:
+            write_frame(self.sock, frame)
+            return True
+        except OSError as e:
+            self.break_(KVTransferError("peer_failed", f"sending to decode KV endpoint {self.endpoint} failed: {e}"))
+            return False
+
     def _write_loop(self) -> None:
         while (item := self.queue.get()) is not None:
             handle, kind, frame, post = item
@@ -107,11 +117,7 @@ class Connection:
                     continue
                 if frame is None:  # the builder failed the room itself
                     continue
-            try:
-                write_frame(self.sock, frame)
-            except OSError as e:
-                self.break_(KVTransferError("peer_failed", f"sending to decode KV endpoint {self.endpoint} "
-                                                           f"failed: {e}"))
+            if not self.write_now(frame):
                 return
             if post is None:
                 continue
@@ -175,40 +181,42 @@ class RoomHandle(SendHandle):
         self.deadline = self._t0 + timeout_s
 
     def send_rows(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-        self._send([layer], source, [source], slots)
+        self._send([layer], source, slots, 2)
 
     def send_layers(self, first_layer: int, source: torch.Tensor, slots: torch.Tensor | None = None) -> None:
         if source.dim() != 3 or source.shape[0] == 0:
             raise ValueError(f"room {self.room}: send_layers takes (num_layers > 0, slots or tokens, kv_dim), got "
                              f"{tuple(source.shape)}")
-        self._send(list(range(first_layer, first_layer + source.shape[0])), source, source, slots)
+        self._send(list(range(first_layer, first_layer + source.shape[0])), source, slots, 3)
 
-    def _send(self, layers: list[int], source: torch.Tensor, per_layer: Sequence[torch.Tensor],
-              slots: torch.Tensor | None) -> None:
-        """Every layer's arguments checked (ValueError before any change), the layers taken, the rows queued."""
-        counts = {self._check_layer(layer, rows, slots) for layer, rows in zip(layers, per_layer)}
-        self.num_tokens = counts.pop()  # (one count: the slots are shared)
+    def _send(self, layers: list[int], source: torch.Tensor, slots: torch.Tensor | None, dims: int) -> None:
+        """The arguments checked (ValueError before any change), the layers taken, the rows queued."""
+        self.num_tokens = self._check_rows(layers, source, slots, dims)
         self._layers.update(layers)
         self._t_rows = self._t_rows or time.monotonic()
         if self.status.state != TransferState.FAILED:
             self._conn.plane.send(self, layers, source, slots)
 
-    def _check_layer(self, layer: int, source: torch.Tensor, slots: torch.Tensor | None) -> int:
-        """Argument mistakes raise ValueError before anything is queued; returns the layer's token count."""
+    def _check_rows(self, layers: list[int], source: torch.Tensor, slots: torch.Tensor | None, dims: int) -> int:
+        """Argument mistakes raise ValueError before anything is queued; returns the token count. `dims` 2: one
+        layer, `source` `(slots or tokens, kv_dim)`; 3: a consecutive run of layers, `(len(layers), ..., kv_dim)`,
+        checked once for the whole run (a prompt's 61 layers are one call, not 61 checks on the engine's thread)."""
         if self._finished:
-            raise ValueError(f"room {self.room}: send_layer({layer}) after finish()")
-        if not 0 <= layer < self.num_layers or layer in self._layers:
-            raise ValueError(f"room {self.room}: layer {layer} is out of range [0, {self.num_layers}) or repeated")
-        num_tokens = source.shape[0] if slots is None else slots.numel()
-        if source.dim() != 2 or source.shape[1] != self.layout.kv_dim or num_tokens == 0:
-            raise ValueError(f"room {self.room}: values of shape {tuple(source.shape)}, expected "
-                             f"(num_tokens > 0, kv_dim={self.layout.kv_dim})")
+            raise ValueError(f"room {self.room}: send_layer({layers[0]}) after finish()")
+        if not (0 <= layers[0] and layers[-1] < self.num_layers) or not self._layers.isdisjoint(layers):
+            bad = next(x for x in layers if not 0 <= x < self.num_layers or x in self._layers)
+            raise ValueError(f"room {self.room}: layer {bad} is out of range [0, {self.num_layers}) or repeated")
+        num_tokens = slots.numel() if slots is not None else source.shape[-2] if source.dim() >= 2 else 0
+        if source.dim() != dims or source.shape[-1] != self.layout.kv_dim or num_tokens == 0:
+            shape = tuple(source.shape[-2:]) if dims == 3 else tuple(source.shape)
+            raise ValueError(f"room {self.room}: values of shape {shape}, expected (num_tokens > 0, "
+                             f"kv_dim={self.layout.kv_dim})")
         if slots is not None and slots.dim() != 1:
             raise ValueError(f"room {self.room}: slots of shape {tuple(slots.shape)}, expected (num_tokens,)")
         if source.dtype != self.layout.torch_dtype:
             raise ValueError(f"room {self.room}: values are {source.dtype}, the layout says {self.layout.dtype}")
         if self.num_tokens is not None and num_tokens != self.num_tokens:
-            raise ValueError(f"room {self.room}: layer {layer} has {num_tokens} tokens, earlier layers "
+            raise ValueError(f"room {self.room}: layer {layers[0]} has {num_tokens} tokens, earlier layers "
                              f"{self.num_tokens}")
         plane = self._conn.plane
         if plane.device is not None and source.device != plane.device:

@@ -1,19 +1,20 @@
 """Prefill side of "nixl": the pairing (the decode worker's NIXL agent and registered memory, from its HELLO_OK) and
-the data plane that WRITEs each room's rows into that memory, one WRITE per `send` (see `nixl.py`).
+the data plane that WRITEs each room's rows into that memory, a few WRITEs per `send` (see `nixl.py`).
 
-Rows. `send` gathers the rows of its layers `(layers, tokens, kv_dim)` into a block of this sender's registered
-arena (one gather, on the caller's stream; an event after it on a GPU), so the caller may reuse its pool at once
-and the WRITE reads memory NIXL already knows; a run of layers larger than half the arena goes as several WRITEs.
-When the arena has no room left the rows are gathered into a plain tensor instead, and the writer thread moves them
-into the arena once earlier WRITEs have freed enough of it (one layer's rows larger than the whole arena are
-registered for their one WRITE). The prefill engine's thread never waits for the link.
+Rows. `send` gathers the rows of its layers `(layers, tokens, kv_dim)` into blocks of this sender's registered
+arena, on a GPU in a few runs of layers (`pages.chunk_count`; one gather each, on the caller's stream, an event after
+each), so the caller may reuse its pool at once and each WRITE reads memory NIXL already knows; a run is at most half
+the arena. When the arena has no room left a run is gathered into a plain tensor instead, and the writer thread moves
+it into the arena once earlier WRITEs have freed enough of it (one larger than the whole arena is registered for its
+one WRITE). The prefill engine's thread never waits for the link.
 
-Writer thread, per LAYER item in queue order: wait for the room's GRANT; WRITE the block, one descriptor per layer
-and page run into the decode pool, or one descriptor into the room's staging block when the decode worker granted
-one (its pages are scattered); poll the WRITE until it resolved; then the LAYER frame names the layers. NIXL reports
-a WRITE DONE once its data is in the peer's memory, so a LAYER frame always follows its rows and the AUX or an ABORT
-(after every WRITE of the room resolved) tells the decode worker that nothing of the room is still being written.
-A WRITE in ERR means the link to the decode worker failed: the connection breaks and its rooms fail (peer_failed).
+Writer thread, per LAYER item (one `send`) in queue order: wait for the room's GRANT (`grants.py`); post one WRITE per
+run as soon as its gather is done, without waiting for the earlier ones (one descriptor per layer and page run into
+the decode pool, or one descriptor into the room's staging block when the decode worker granted one: its pages are
+scattered); poll them until every one resolved; then one LAYER frame names the send's layers. NIXL reports a WRITE
+DONE once its data is in the peer's memory, so a LAYER frame always follows its rows and the AUX or an ABORT (after
+every WRITE of the room resolved) tells the decode worker that nothing of the room is still being written. A WRITE in
+ERR means the link to the decode worker failed: the connection breaks and its rooms fail (peer_failed).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import torch
 
 from .base import KVTransferError, TransferState
 from .control_sender import RoomHandle
-from .cuda_ipc_pairing import pool_slots
+from .grants import Grant, await_grant, fail_granted, on_grant, open_granted
 from .nixl_agent import Arena, Block, NixlAgent, Region, Registered, device_id
-from .pages import plan_pages
+from .pages import chunk_count, plan_pages
 from .plane import SendPairing, SendPlane
-from .wire import ABORT, BEGIN, GRANT, LAYER, ProtocolError
+from .wire import LAYER, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -182,22 +183,21 @@ class NixlPairing(SendPairing):
         self.agent.close()
 
 
-class _Grant:
-    """A room's side of the pairing: what the decode worker granted."""
+class _NixlGrant(Grant):
+    """A room's side of the pairing: its grant and where it writes."""
 
     def __init__(self):
-        self.granted = threading.Event()
-        self.tokens: Optional[int] = None
+        super().__init__()
         self.staging: Optional[int] = None  # offset of the room's block in the decode worker's staging area
         self.runs: Optional[tuple[tuple[int, int, int], ...]] = None  # page runs of the room, made at its first WRITE
 
 
 class _Rows:
-    """One send's rows `(layers, tokens, kv_dim)`: in an arena block, or (no room in the arena when gathered) in a
-    plain tensor the writer moves into one."""
+    """A run of one send's layers `(layers, tokens, kv_dim)`, `first` its first layer: in an arena block, or (no room
+    in the arena when gathered) in a plain tensor the writer moves into one."""
 
-    def __init__(self, rows: torch.Tensor, block: Optional[Block], ready: Any):
-        self.rows, self.block, self.ready = rows, block, ready
+    def __init__(self, layers: list[int], rows: torch.Tensor, block: Optional[Block], ready: Any):
+        self.layers, self.rows, self.block, self.ready = layers, rows, block, ready
 
 
 class NixlSendPlane(SendPlane):
@@ -218,24 +218,23 @@ class NixlSendPlane(SendPlane):
     # ---- the caller's thread ----
 
     def open_room(self, handle: RoomHandle) -> None:
-        try:
-            pool_slots(self.pool_shape, handle.dst_pages, handle.layout.page_size)
-        except ValueError as e:  # pages from the peer that do not fit its own pool
-            raise KVTransferError("protocol", f"room {handle.room}: {e}") from None
-        handle.plane_state, handle.link = _Grant(), self.ucx
-        self.conn.put(handle, BEGIN, {"num_layers": handle.num_layers, "pages": handle.dst_pages})
+        handle.link = self.ucx
+        open_granted(self.conn, handle, self.pool_shape, _NixlGrant())
 
     def send(self, handle: RoomHandle, layers: list[int], source: torch.Tensor,
              slots: Optional[torch.Tensor]) -> None:
         src = source if source.dim() == 3 else source[None]  # (layers, slots or tokens, kv_dim)
-        # A run of layers larger than half the arena goes as several WRITEs of layers (a whole long prompt at once:
-        # its rows would not fit), so the next one's rows are gathered while one is written.
+        # A large send (a whole prompt at once) goes as a few WRITEs of runs of layers, issued together: each starts
+        # once its own run is gathered, while the next run is gathered, and none waits for another to complete. A run
+        # is at most half the arena (a long prompt's rows would not fit it at once).
         layer_bytes = handle.num_tokens * src.shape[-1] * src.element_size()
-        step = max(1, self.arena.nbytes // 2 // layer_bytes)
-        for first in range(0, len(layers), step):
-            self._send(handle, layers[first:first + step], src[first:first + step], slots)
+        runs = chunk_count(len(layers) * layer_bytes) if self.device.type == "cuda" else 1
+        step = max(1, min(self.arena.nbytes // 2 // layer_bytes, -(-len(layers) // runs)))
+        items = [self._gather(handle, layers[first:first + step], src[first:first + step], slots)
+                 for first in range(0, len(layers), step)]
+        self.conn.queue.put((handle, LAYER, lambda: self._write(handle, items), None))
 
-    def _send(self, handle: RoomHandle, layers: list[int], src: torch.Tensor, slots: Optional[torch.Tensor]) -> None:
+    def _gather(self, handle: RoomHandle, layers: list[int], src: torch.Tensor, slots: Optional[torch.Tensor]) -> _Rows:
         n = handle.num_tokens
         shape = (len(layers), n, src.shape[-1])
         block = self.arena.take(shape[0] * n * shape[2] * src.element_size())
@@ -253,59 +252,85 @@ class NixlSendPlane(SendPlane):
             ready.record(torch.cuda.current_stream(rows.device))
             if block is not None:
                 block.ready = ready
-        item = _Rows(rows, block, ready)
-        header = {"layer": layers[0]} if len(layers) == 1 else {"layers": layers}
-        header["num_tokens"] = n
-
-        def build():
-            if not self._write(handle, layers, item):
-                return None
-            return self.conn.frame(handle, LAYER, header)
-
-        self.conn.queue.put((handle, LAYER, build, None))
+        return _Rows(layers, rows, block, ready)
 
     def failed(self, handle: RoomHandle, local: bool) -> None:
-        if handle.plane_state is not None:
-            handle.plane_state.granted.set()  # a writer waiting for the grant moves on (and finds the room failed)
-        if self.conn.broken is None:
-            # Written after every WRITE of the room resolved: the decode worker frees the room's memory on it.
-            self.conn.put(handle, ABORT, {})
+        # Written after every WRITE of the room resolved: the decode worker frees the room's memory on it.
+        fail_granted(self.conn, handle)
 
     # ---- the connection's threads ----
 
     def on_reply(self, header: dict[str, Any], handle: Optional[RoomHandle]) -> bool:
-        if header.get("kind") != GRANT:
-            return False
-        n, staging = header.get("num_tokens"), header.get("staging")
-        if not (isinstance(n, int) and n > 0) or not (staging is None or isinstance(staging, int) and staging >= 0):
-            raise ProtocolError(f"GRANT without a token count and staging offset: {str(header)[:200]}")
-        if handle is not None and handle.plane_state is not None:
-            grant: _Grant = handle.plane_state
-            grant.tokens, grant.staging = n, staging
-            grant.granted.set()
-        return True
+        return on_grant(header, handle, staging=lambda v: v is None or isinstance(v, int) and v >= 0)
 
-    def _write(self, handle: RoomHandle, layers: list[int], item: _Rows) -> bool:
-        """Writer thread: the rows WRITTEN into the room's granted memory; False when the room failed instead."""
-        grant: _Grant = handle.plane_state
-        if not grant.granted.wait(max(0.0, handle.deadline - time.monotonic())):
-            handle._expire(handle.timeout_s)
-            return False
-        if handle.status.state == TransferState.FAILED:
-            return False
-        rows = item.rows
+    def _write(self, handle: RoomHandle, items: list[_Rows]) -> Any:
+        """Writer thread: every run of the send WRITTEN into the room's granted memory, the WRITEs in flight together,
+        each announced (a LAYER frame) as soon as it is DONE, in order; returns the last run's frame (written by the
+        writer loop), or None when the room failed instead (after every WRITE it started resolved)."""
+        if not await_grant(handle, items[0].rows.shape[1]):
+            return None
+        inflight: list[tuple[_Rows, Any, Any]] = []  # (run, its WRITE, what keeps the WRITE's source valid)
+        frames: list[Any] = []  # announcements of the runs DONE, the last one not written yet
+        for item in items:
+            if item.block is None and inflight:  # its rows wait for the arena room the WRITEs in flight hold
+                if not self._resolve(handle, inflight, frames):
+                    return None
+                inflight = []
+            try:
+                xfer, holder = self._start(handle, item)
+            except KVTransferError as e:
+                self._resolve(handle, inflight, frames)
+                handle._fail(e.kind, e.message)
+                return None
+            if xfer is None:
+                self._resolve(handle, inflight, frames)
+                return None
+            inflight.append((item, xfer, holder))
+        return frames[-1] if self._resolve(handle, inflight, frames) else None
+
+    def _resolve(self, handle: RoomHandle, inflight: list[tuple[_Rows, Any, Any]], frames: list[Any]) -> bool:
+        """Wait for every WRITE of `inflight` in order (each runs to its end or its error even when its room failed:
+        the room's ABORT must come after them all), announcing each run once it is DONE (the one before it is written
+        then, the last left in `frames`); True when all are DONE and the room still stands."""
+        ok = True
+        for item, xfer, holder in inflight:
+            state = self._wait(xfer)
+            if state == "PROC":  # the connection broke while the WRITE was in flight: it may still read `holder`
+                self._abandoned.append((xfer, holder))
+                ok = False
+                continue
+            self.agent.release(xfer)
+            item.block = None  # its arena block goes back once `inflight` lets go of the WRITE's holder too
+            if state != "DONE":
+                self.conn.break_(KVTransferError("peer_failed", f"room {handle.room}: the NIXL WRITE to decode KV "
+                                                                f"endpoint {self.conn.endpoint} failed (UCX: "
+                                                                f"{self.ucx})"))
+                ok = False
+                continue
+            handle.bytes_sent += item.rows.numel() * item.rows.element_size()
+            if not ok or handle.status.state == TransferState.FAILED:
+                ok = False
+                continue
+            if frames and not self.conn.write_now(frames.pop()):  # the run before it: the decode worker lands it now
+                ok = False
+                continue
+            layers = item.layers
+            header = {"layer": layers[0]} if len(layers) == 1 else {"layers": layers}
+            frames.append(self.conn.frame(handle, LAYER, {**header, "num_tokens": item.rows.shape[1]}))
+        return ok and handle.status.state != TransferState.FAILED
+
+    def _start(self, handle: RoomHandle, item: _Rows) -> tuple[Any, Any]:
+        """Post the WRITE of one run: (WRITE, what keeps its source valid), or (None, None) when the connection broke
+        instead. Raises KVTransferError for a room that cannot go."""
+        grant: _NixlGrant = handle.plane_state
+        rows, layers = item.rows, item.layers
         n, row_bytes = rows.shape[1], rows.shape[2] * rows.element_size()
-        if n != grant.tokens:
-            handle._fail("protocol", f"room {handle.room}: prefill has {n} tokens, the decode worker reserved "
-                                     f"{grant.tokens}")
-            return False
         nbytes = rows.numel() * rows.element_size()
         if grant.staging is not None:
             room_bytes = handle.num_layers * n * row_bytes
             if self.staging is None or grant.staging + room_bytes > self.staging.nbytes:
-                handle._fail("protocol", f"room {handle.room}: GRANT names staging at {grant.staging} for "
-                                         f"{room_bytes} bytes, outside the decode worker's staging area")
-                return False
+                raise KVTransferError("protocol", f"room {handle.room}: GRANT names staging at {grant.staging} for "
+                                                  f"{room_bytes} bytes, outside the decode worker's staging area")
             first = grant.staging + layers[0] * n * row_bytes  # the room's block is (num_layers, tokens, kv_dim)
             remote = [(self.staging.addr + first, nbytes, self.staging.device)]
             remote_mem = self.staging.mem_type
@@ -316,11 +341,7 @@ class NixlSendPlane(SendPlane):
             remote = [(self.pool.addr + layer * layer_bytes + slot * row_bytes, count * row_bytes, self.pool.device)
                       for layer in layers for _, slot, count in grant.runs]
             remote_mem = self.pool.mem_type
-        try:
-            source, holder = self._registered(handle, item)
-        except KVTransferError as e:
-            handle._fail(e.kind, e.message)
-            return False
+        source, holder = self._registered(handle, item)
         base = source.data_ptr()
         if grant.staging is not None:
             local: list[Region] = [(base, nbytes, device_id(source))]
@@ -328,22 +349,11 @@ class NixlSendPlane(SendPlane):
             local = [(base + (i * n + first_row) * row_bytes, count * row_bytes, device_id(source))
                      for i in range(len(layers)) for first_row, _, count in grant.runs]
         try:
-            xfer = self.agent.write(self.peer, local, remote, self.local_mem, remote_mem, b"")
+            return self.agent.write(self.peer, local, remote, self.local_mem, remote_mem, b""), holder
         except Exception as e:  # noqa: BLE001 (NIXL refused the descriptors or could not post them)
             self.conn.break_(KVTransferError("peer_failed", f"room {handle.room}: NIXL could not WRITE its rows to "
                                                             f"decode KV endpoint {self.conn.endpoint}: {e}"))
-            return False
-        state = self._wait(xfer)
-        if state == "PROC":  # the connection broke while the WRITE was in flight: it may still read `holder`
-            self._abandoned.append((xfer, holder))
-            return False
-        self.agent.release(xfer)
-        if state != "DONE":
-            self.conn.break_(KVTransferError("peer_failed", f"room {handle.room}: the NIXL WRITE to decode KV "
-                                                            f"endpoint {self.conn.endpoint} failed (UCX: {self.ucx})"))
-            return False
-        handle.bytes_sent += nbytes
-        return handle.status.state != TransferState.FAILED
+            return None, None
 
     def _registered(self, handle: RoomHandle, item: _Rows) -> tuple[torch.Tensor, Any]:
         """The rows in registered memory, and what keeps that memory valid while a WRITE reads it."""

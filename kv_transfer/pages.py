@@ -1,10 +1,11 @@
 """Where a room's rows go in a pool of pages, and the copy that puts them there.
 
-A room's rows travel as one contiguous block `(layers, tokens, kv_dim)`, in token order, whatever the destination
-pages: the sender gathers them from its pool in one gather, they cross the link in one operation, and one scatter
-(`scatter_pages`) puts them into the reserved pages on the receiving pool's device. The transfer costs a fixed time
-per operation on every link (a peer copy, an NCCL op, a NIXL descriptor), so one per page run or per layer would
-cost far more than the bytes.
+A room's rows travel as contiguous blocks `(layers, tokens, kv_dim)`, in token order, whatever the destination
+pages: the sender gathers them from its pool (one gather per run of layers, `gather_chunks`), each block crosses the
+link in one operation, and one scatter per block (`scatter_pages`) puts them into the reserved pages on the receiving
+pool's device. The transfer costs a fixed time per operation on every link (a peer copy, an NCCL op, a NIXL
+descriptor), so one per page run or per layer would cost far more than the bytes; a large room goes as a few runs of
+layers rather than one block only so that one run's gather, crossing and scatter overlap the next one's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .base import page_runs
+from .base import gather_layers, page_runs
 
 # 16-, 8- and 4-byte elements: index_copy_'s CUDA kernel moves one element per thread step (the kernel is picked by
 # element size only), so the same bytes as wider elements take fewer steps.
@@ -95,27 +96,67 @@ def _widest_word(*tensors: torch.Tensor) -> Optional[torch.dtype]:
     return None
 
 
-def copy_across(layer_kv: torch.Tensor, rows: torch.Tensor, plan: PagePlan, scatter_stream: torch.cuda.Stream,
-                chunks: int = 4) -> None:
-    """`scatter_pages` of `rows: (layers, num_tokens, kv_dim)` on one GPU into `layer_kv: (layers, slots, kv_dim)` on
-    another, as a pipeline: the room crosses the link in `chunks` runs of layers, each into a staging block on the
-    pool's GPU, and each block's scatter runs on `scatter_stream` while the next block crosses (copy engines and the
-    pool GPU's cores at once).
+# A room crossing between GPUs is cut into runs of layers of about this many bytes (at most MAX_CHUNKS), so its
+# gather, its peer copy and its scatter overlap: each run's copy starts as soon as its own gather is done, and its
+# scatter runs while the next run crosses. Each run costs the host a few launches, so runs stay large.
+CHUNK_BYTES, MAX_CHUNKS = 64 << 20, 8
 
-    NOTE: called with the rows' device's current stream ordered after the rows, and on the pool's device a current
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of a room's layers gathered into a block of their own: `first` is its first layer in the send,
+    `rows: (layers, num_tokens, kv_dim)`, `ready` an event after its gather on a GPU (None on the CPU)."""
+
+    first: int
+    rows: torch.Tensor
+    ready: object
+
+
+def gather_chunks(source: torch.Tensor, slots: Optional[torch.Tensor], chunks: int) -> list[Chunk]:
+    """`gather_layers(source, slots)` for a run of layers `(layers, slots, kv_dim)`, cut into `chunks` runs of layers,
+    each gathered on the current stream with an event after it: whatever reads a run waits for its gather only."""
+    slots = None if slots is None else slots.to(source.device)
+    num_layers = source.shape[0]
+    step = -(-num_layers // max(1, min(chunks, num_layers)))
+    out = []
+    for first in range(0, num_layers, step):
+        rows = gather_layers(source[first:first + step], slots)  # (layers of the run, num_tokens, kv_dim)
+        ready = None
+        if rows.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(rows.device))
+        out.append(Chunk(first, rows, ready))
+    return out
+
+
+def chunk_count(nbytes: int) -> int:
+    """How many runs of layers a send of `nbytes` crossing between GPUs is cut into."""
+    return max(1, min(MAX_CHUNKS, nbytes // CHUNK_BYTES))
+
+
+def copy_across(layer_kv: torch.Tensor, chunks: list[Chunk], plan: PagePlan, scatter_stream: torch.cuda.Stream) -> None:
+    """`scatter_pages` of the chunks' rows on one GPU into `layer_kv: (layers, slots, kv_dim)` on another, as a
+    pipeline: each chunk crosses the link into a staging block on the pool's GPU once its gather is done, and its
+    scatter runs on `scatter_stream` while the next chunk crosses (the copy engines and the pool GPU's cores at
+    once).
+
+    NOTE: called with the rows' device's current stream the one that copies, and on the pool's device a current
     stream with nothing queued that the copies should wait for: torch orders a copy between GPUs after both devices'
     current streams, so were `scatter_stream` current there, each block would wait for the previous block's scatter.
     The caller waits for `scatter_stream` (an event recorded on it after this returns)."""
     stage = torch.cuda.current_stream(layer_kv.device)
-    num_layers = rows.shape[0]
-    step = -(-num_layers // max(1, min(chunks, num_layers)))
-    for first in range(0, num_layers, step):
-        last = min(num_layers, first + step)
-        staged = rows[first:last].to(layer_kv.device, non_blocking=True)  # (chunk, num_tokens, kv_dim) peer copy
+    for chunk in chunks:
+        rows = chunk.rows
+        copy_stream = torch.cuda.current_stream(rows.device)
+        if chunk.ready is not None:
+            copy_stream.wait_event(chunk.ready)
+        staged = rows.to(layer_kv.device, non_blocking=True)  # (chunk, num_tokens, kv_dim) peer copy
+        rows.record_stream(copy_stream)  # the allocator must not hand its memory out before the copy read it
         scatter_stream.wait_stream(stage)  # that copy landed (stage waits for it)
         with torch.cuda.stream(scatter_stream):
-            scatter_pages(layer_kv[first:last], staged, plan)
+            scatter_pages(layer_kv[chunk.first:chunk.first + rows.shape[0]], staged, plan)
         staged.record_stream(scatter_stream)  # allocated on the stage stream, read by the scatter
 
 
-__all__ = ["PagePlan", "copy_across", "plan_pages", "scatter_pages"]
+__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "Chunk", "PagePlan", "chunk_count", "copy_across", "gather_chunks", "plan_pages",
+           "scatter_pages"]

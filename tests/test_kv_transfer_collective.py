@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pdserve.kv_cache import CacheConfig, LatentKVPool
+from pdserve.kv_transfer import collective_pair
 from pdserve.kv_transfer import (
     TRANSPORTS, GlooKVReceiver, GlooKVSender, KVReceiverChannel, KVSenderChannel, KVTransferError, TransferState,
     token_slots,
@@ -361,3 +362,25 @@ def read_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
             raise AssertionError(f"no line starting {prefix!r} within {timeout} s") from None
         if line.startswith(prefix):
             return line.strip()
+
+
+def test_an_nccl_op_is_polled_often_enough_that_a_landed_room_is_heard_of_at_once(monkeypatch):
+    """The decode worker learns that a room's NCCL receive landed only when the pair's reaper polls its event: the
+    pauses between polls grow from 50 us but stay at NCCL_POLL_MAX_S (a fraction of a room's copy on NVLink), so
+    a room is never confirmed much later than it landed."""
+    pauses = []
+
+    class Clock:  # collective_pair's view of time: the pauses recorded, none slept
+        monotonic = staticmethod(time.monotonic)
+        sleep = staticmethod(pauses.append)
+
+    class Op:  # an op's CUDA event that completes at its 40th query
+        queries = 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries >= 40
+
+    monkeypatch.setattr(collective_pair, "time", Clock)
+    assert collective_pair.NcclBackend().wait(Op(), op_timeout_s=60, closed=lambda: False) is None
+    assert len(pauses) == 39 and pauses[0] == 5e-5 and max(pauses) <= collective_pair.NCCL_POLL_MAX_S <= 2e-4

@@ -7,7 +7,9 @@ CUDA IPC mapping between processes on a GPU."""
 from __future__ import annotations
 
 import base64
+import itertools
 import logging
+import threading
 import time
 import uuid
 
@@ -18,10 +20,14 @@ from pdserve.kv_transfer import (
     TRANSPORTS, AutoKVReceiver, AutoKVSender, CudaIpcKVReceiver, CudaIpcKVSender, KVTransferError, TcpKVReceiver,
     check_transport_device, token_slots,
 )
+from pdserve.kv_transfer import cuda_ipc_sender
 from pdserve.kv_transfer.cuda_ipc_pairing import (
     Facts, IpcBackend, check_export, choose_transport, expandable_segments_on, pool_slots,
 )
-from pdserve.kv_transfer.pages import _widest_word, plan_pages, scatter_pages
+from pdserve.kv_transfer.base import gather_layers
+from pdserve.kv_transfer.pages import (
+    CHUNK_BYTES, MAX_CHUNKS, _widest_word, chunk_count, gather_chunks, plan_pages, scatter_pages,
+)
 
 from test_kv_transfer_collective import AUX, NUM_PAGES, Decode
 from test_kv_transfer_tcp import KV_DIM, LAYERS, PAGE, TOKENS, Recorder, make_layout
@@ -195,6 +201,27 @@ def test_scatter_pages_lands_rows_exactly_where_token_slots_says(dtype, page_siz
         assert plan_pages(pages, n, page_size, "cpu").full_pages is None
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 3, LAYERS, LAYERS + 5])
+@pytest.mark.parametrize("with_slots", [True, False])
+def test_a_send_gathered_in_runs_of_layers_holds_exactly_the_rows_of_one_gather(chunks, with_slots):
+    """gather_chunks (a send crossing between GPUs, cut so each run's copy starts after its own gather) gives the
+    rows gather_layers gives, in runs of consecutive layers that cover every layer once, in order."""
+    source = torch.randn(LAYERS, 64, KV_DIM)  # (layers, slots, kv_dim)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(chunks))[:TOKENS] if with_slots else None
+    runs = gather_chunks(source if with_slots else source[:, :TOKENS], slots, chunks)
+    assert 1 <= len(runs) <= min(chunks, LAYERS) and (chunks == 1 or len(runs) > 1)
+    assert [r.first for r in runs] == list(itertools.accumulate([0] + [r.rows.shape[0] for r in runs[:-1]]))
+    whole = torch.cat([r.rows for r in runs])
+    assert torch.equal(whole, gather_layers(source, slots) if with_slots else source[:, :TOKENS])
+    source.fill_(0)  # the runs are the transport's own memory: the caller may reuse its pool at once
+    assert torch.equal(torch.cat([r.rows for r in runs]), whole)
+
+
+def test_a_large_send_is_cut_into_a_few_runs_of_large_blocks():
+    assert chunk_count(1) == 1 and chunk_count(CHUNK_BYTES - 1) == 1 and chunk_count(2 * CHUNK_BYTES) == 2
+    assert chunk_count(1 << 40) == MAX_CHUNKS
+
+
 def test_scatter_pages_refuses_rows_that_do_not_match_the_plan():
     pool = torch.zeros(4 * PAGE, KV_DIM)
     plan = plan_pages([3, 1], PAGE + 1, PAGE, "cpu")
@@ -275,6 +302,37 @@ def test_a_room_opened_without_connecting_is_announced_and_lands_like_any_other(
     h.wait(timeout=5)
     decode.rec.wait_for(lambda: len(decode.rec.done) == 2)
     assert landed(decode, 42, pages)
+
+
+def test_a_granted_rooms_rows_are_copied_on_the_callers_thread_and_an_ungranted_ones_wait_for_the_grant(
+        cleanup, monkeypatch):
+    """A room opened ahead (granted while its prompt computed) has its rows copied by send_layers itself, before it
+    returns, not by the writer thread later: on a GPU the copy starts without a thread hand-off. A room whose GRANT
+    has not come yet leaves the copy to the writer thread, which waits for it."""
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    send(s, decode, 60)[0].wait(timeout=5)  # pairs
+    pages = decode.reserve(61, TOKENS)
+    h = s.begin(decode.receiver.endpoint, 61, LAYERS, dst_pages=pages)
+    assert h.plane_state.granted.wait(5)
+    writer = []  # the thread of each copy into the pool
+    scatter = cuda_ipc_sender.scatter_pages
+    monkeypatch.setattr(cuda_ipc_sender, "scatter_pages",
+                        lambda *a: (writer.append(threading.current_thread()), scatter(*a))[1])
+    h.send_layers(0, rows_of(61))
+    assert writer == [threading.current_thread()] and landed(decode, 61, pages)  # in the pool as it returned
+    h.finish(AUX)
+    h.wait(timeout=5)
+
+    pages = decode.reserve(62, TOKENS)
+    with decode.receiver.lock:  # the decode worker cannot answer BEGIN until the rows were handed over
+        h = s.begin(decode.receiver.endpoint, 62, LAYERS, dst_pages=pages)
+        h.send_layers(0, rows_of(62))
+        assert not h.plane_state.granted.is_set() and len(writer) == 1
+    h.finish(AUX)
+    h.wait(timeout=5)
+    assert len(writer) == 2 and writer[1] is not threading.current_thread()
+    assert landed(decode, 62, pages)
 
 
 def test_a_prompts_layers_go_in_one_copy_and_one_announcement(cleanup):

@@ -185,9 +185,17 @@ def test_rows_beyond_the_arena_still_land(cleanup, arena_bytes):
 
 def test_a_run_of_layers_larger_than_half_the_arena_goes_as_several_writes(cleanup):
     """A whole prompt handed over at once (send_layers, e.g. a prompt bound after its forward) whose rows exceed half
-    the send arena: one WRITE and one announcement per piece that fits, so the arena bounds the memory in transit."""
+    the send arena: one WRITE and one announcement per piece that fits, so the arena bounds the memory in transit.
+    The WRITEs are in flight together as far as the arena holds their rows (two pieces here): the next is posted
+    before the first is polled, so they overlap rather than take turns; each piece is announced once its own WRITE
+    is DONE, in order."""
     decode = nixl_decode(cleanup)
     s = nixl_sender(cleanup, arena_bytes=2 * TOKENS * KV_DIM * 4 + 256)  # half of it: one layer's rows
+    send(s, decode, 3)[0].wait(timeout=10)  # pairs
+    calls, agent = [], s.pairing.agent
+    write, state = agent.write, agent.state
+    agent.write = lambda *a: (calls.append("write"), write(*a))[1]
+    agent.state = lambda xfer: (calls.append("poll"), state(xfer))[1]
     frames = []
     on_data = decode.receiver._on_data
     decode.receiver._on_data = lambda conn, kind, header, payload: (
@@ -197,9 +205,10 @@ def test_a_run_of_layers_larger_than_half_the_arena_goes_as_several_writes(clean
     h.send_layers(0, rows_of(4))
     h.finish(AUX)
     h.wait(timeout=10)
-    decode.rec.wait_for(lambda: decode.rec.done)
+    decode.rec.wait_for(lambda: len(decode.rec.done) == 2)
     assert [f for f in frames if f[0] == "LAYER"] == [("LAYER", layer) for layer in range(LAYERS)]
     assert landed(decode, 4, pages)
+    assert calls[:2] == ["write", "write"] and calls.count("write") == LAYERS, calls[:8]
 
 
 def test_the_arena_hands_out_disjoint_blocks_and_merges_them_back():
