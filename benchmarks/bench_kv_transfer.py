@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import random
@@ -56,6 +57,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdserve.kv_transfer import TRANSPORTS, KVLayout, token_slots  # noqa: E402
+from pdserve.kv_transfer import pages  # noqa: E402
 from pdserve.kv_transfer.pages import plan_pages, scatter_pages  # noqa: E402
 
 
@@ -78,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--send", nargs="+", default=["room", "layers"], choices=["room", "layers"],
                    help="room: every layer in one send_layers (as the prefill worker hands over a whole prompt); "
                         "layers: one send_layer per layer (as it streams layer by layer)")
+    p.add_argument("--max-chunks", type=int, nargs="+", default=[pages.MAX_CHUNKS],
+                   help="two GPUs: the senders' cap on the runs of layers a send is cut into (pages.MAX_CHUNKS; 1: "
+                        "every send crosses whole); each value measures every case again (default: pdserve's)")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler's busiest device operations of each case's measured rooms")
     p.add_argument("--iters", type=int, default=10)
@@ -112,6 +117,10 @@ def layout_of(args) -> KVLayout:
     return KVLayout("bench-kv-transfer", args.page_size, args.layers, args.kv_dim, args.dtype)
 
 
+def room_bytes(args, tokens: int) -> int:
+    return args.layers * tokens * args.kv_dim * layout_of(args).torch_dtype.itemsize
+
+
 def num_pages(args) -> int:
     return -(-max(args.tokens) // args.page_size)
 
@@ -138,8 +147,7 @@ def decode_main(args) -> None:
     say = lambda *words: print(*words, flush=True)  # noqa: E731
     before = free_bytes(device)
     # nixl: a staging area that holds the largest room, so shuffled pages are staged at every size measured
-    options = {"staging_bytes": args.layers * max(args.tokens) * args.kv_dim * layout.torch_dtype.itemsize} \
-        if args.backend == "nixl" else {}
+    options = {"staging_bytes": room_bytes(args, max(args.tokens))} if args.backend == "nixl" else {}
     receiver = TRANSPORTS.get(args.backend).receiver(
         layout, port=args.kv_port, kv_buffer=pool, timeout_s=600, on_layer=lambda *a: None,
         on_done=lambda room, aux: None, on_failed=lambda room, e: say("failed", room, e), **options)
@@ -163,6 +171,13 @@ def decode_main(args) -> None:
         elif cmd[0] == "stats":
             pairs = [c.link.comm_bytes for c in list(receiver._conns) if getattr(c.link, "comm_bytes", None) is not None]
             say("stats", json.dumps({"pair_comm_bytes": pairs, "mem_get_info_bytes": before - free_bytes(device)}))
+            continue
+        elif cmd[0] == "poison":
+            pool.fill_(float("nan"))
+            sync(device)
+        elif cmd[0] == "digest":  # the rows of `tokens` tokens in `pages`, as they sit in the pool
+            slots = token_slots(json.loads(cmd[2]), int(cmd[1]), args.page_size, device=device)
+            say("digest", digest(pool[:int(cmd[3]), slots]))
             continue
         elif cmd[0] == "quit":
             break
@@ -223,7 +238,28 @@ def run_ours(args, child: Child, sender, rows: torch.Tensor, tokens: int, order:
         h.wait(timeout=600)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times), "send": send, "all_seconds": times}
+        if i == args.warmup + args.iters - 2:  # the last room lands in a poisoned pool, then is compared
+            child.send("poison")
+    # The last room's rows, read back from the decode pool's pages, bit for bit (digests of both sides)
+    got = int(child.send(f"digest {tokens} {json.dumps(pages, separators=(',', ':'))} {layers}",
+                         answer="digest").split()[1])
+    identical = got == digest(rows[:layers, :tokens])
+    if not identical:
+        print(f"ROWS DIFFER: the last room of {tokens} tokens ({order}, send={send}) did not land bit-identical",
+              flush=True)
+    return {"seconds": statistics.median(times), "send": send, "all_seconds": times, "bit_identical": identical}
+
+
+def digest(rows: torch.Tensor) -> int:
+    """An integer digest of rows `(layers, tokens, kv_dim)`, equal for bit-identical rows (and, in practice, only
+    for them): each value's bits weighted by its position, summed exactly in int64 on the rows' device."""
+    total = 0
+    for i, layer in enumerate(rows):  # (tokens, kv_dim): a layer at a time bounds the temporaries
+        bits = layer.contiguous().view(torch.int16).flatten().to(torch.int64)
+        first = i * bits.numel() + 1
+        weights = torch.arange(first, first + bits.numel(), device=bits.device) % 65521 + 1
+        total += int((bits * weights).sum())
+    return total
 
 
 def run_peer_copy(args, rows: torch.Tensor, tokens: int, dst_device: torch.device) -> dict:
@@ -281,7 +317,9 @@ def prefill_main(args) -> None:
         result["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
     try:
         before = free_bytes(device)
-        sender = TRANSPORTS.get(args.backend).sender(layout, device=device, timeout_s=600)
+        # nixl: a send arena that holds the largest room, as the decode side's staging does
+        options = {"arena_bytes": room_bytes(args, max(args.tokens))} if args.backend == "nixl" else {}
+        sender = TRANSPORTS.get(args.backend).sender(layout, device=device, timeout_s=600, **options)
         # The first room builds the pair (its communicator): one token, so nothing else shows in the memory delta.
         connect = {**vars(args), "tokens": [1], "warmup": 0, "iters": 1}
         run_ours(argparse.Namespace(**connect), child, sender, rows, 1, "contiguous", 1)
@@ -302,32 +340,32 @@ def prefill_main(args) -> None:
                 print(f"peer copy {device} -> {decode_device} {tokens:6d} tokens {peer[tokens]['seconds'] * 1e3:8.2f} "
                       f"ms {peer[tokens]['GB_per_s']:7.2f} GB/s", flush=True)
         room = 2
-        for send in args.send:
-            for order in args.page_order:
-                for tokens in args.tokens:
-                    case = {"tokens": tokens, "page_order": order, "send": send,
-                            "bytes": tokens * result["bytes_per_token"]}
-                    profiler = None
-                    if args.profile:
-                        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                                      torch.profiler.ProfilerActivity.CUDA])
-                        profiler.__enter__()
-                    case["ours"] = run_ours(args, child, sender, rows, tokens, order, room, send=send)
-                    if profiler is not None:
-                        profiler.__exit__(None, None, None)
-                        print(profiler.key_averages().table(sort_by="device_time_total", row_limit=14), flush=True)
-                    room += args.warmup + args.iters
-                    case["ours"]["GB_per_s"] = case["bytes"] / case["ours"]["seconds"] / 1e9
-                    if tokens in peer:
-                        case["peer_copy"] = peer[tokens]
-                        case["ours_over_peer_copy"] = case["ours"]["GB_per_s"] / peer[tokens]["GB_per_s"]
-                    result["cases"].append(case)
-                    print(f"ours {args.backend} ({result['link'] or result['transport']}) send={send:6s} {order:10s} "
-                          f"{tokens:6d} tokens "
-                          f"{case['bytes'] / 2**20:8.1f} MiB {case['ours']['seconds'] * 1e3:8.2f} ms "
-                          f"{case['ours']['GB_per_s']:7.2f} GB/s"
-                          + (f" = {case['ours_over_peer_copy']:.2f} of a peer copy" if tokens in peer else ""),
-                          flush=True)
+        for send, max_chunks, order, tokens in itertools.product(args.send, args.max_chunks, args.page_order,
+                                                                 args.tokens):
+            pages.MAX_CHUNKS = max_chunks  # read by the senders at each send (only they cut a room)
+            case = {"tokens": tokens, "page_order": order, "send": send, "max_chunks": max_chunks,
+                    "bytes": tokens * result["bytes_per_token"]}
+            profiler = None
+            if args.profile:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                profiler.__enter__()
+            case["ours"] = run_ours(args, child, sender, rows, tokens, order, room, send=send)
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                print(profiler.key_averages().table(sort_by="device_time_total", row_limit=14), flush=True)
+            room += args.warmup + args.iters
+            case["ours"]["GB_per_s"] = case["bytes"] / case["ours"]["seconds"] / 1e9
+            if tokens in peer:
+                case["peer_copy"] = peer[tokens]
+                case["ours_over_peer_copy"] = case["ours"]["GB_per_s"] / peer[tokens]["GB_per_s"]
+            result["cases"].append(case)
+            print(f"ours {args.backend} ({result['link'] or result['transport']}) send={send:6s} "
+                  f"chunks<={max_chunks} {order:10s} {tokens:6d} tokens "
+                  f"{case['bytes'] / 2**20:8.1f} MiB {case['ours']['seconds'] * 1e3:8.2f} ms "
+                  f"{case['ours']['GB_per_s']:7.2f} GB/s"
+                  + (f" = {case['ours_over_peer_copy']:.2f} of a peer copy" if tokens in peer else "")
+                  + ("" if case["ours"]["bit_identical"] else " ROWS DIFFER"), flush=True)
         if args.backend in ("nccl", "gloo"):  # the same bytes over a plain torch.distributed group
             child.send("plain-init", answer=None)
             result["memory"]["prefill_plain_bytes"] = plain_group(args, 1, device)
