@@ -206,12 +206,14 @@ def run_big(args) -> dict:
            ",".join(str(10 + i) for i in range(64)), "--max-new-tokens", "16", "--ignore-eos", "--json", *extra]
     print("+ " + " ".join(cmd), flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.big_timeout)
+    printed = os.path.join(args.out, "big_generate.json")
+    with open(printed, "w") as f:  # (a file, not a pipe: see main)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, timeout=args.big_timeout)
     took = time.monotonic() - t0
-    sys.stderr.write(proc.stderr[-3000:])
     result = dict(model=os.path.basename(model_dir), weights_gb=gb, exit=proc.returncode, wall_s=took)
     if proc.returncode == 0:
-        result["output_ids"] = json.loads(proc.stdout.strip().splitlines()[-1])["output_ids"]
+        with open(printed) as f:
+            result["output_ids"] = json.loads(f.read().strip().splitlines()[-1])["output_ids"]
     print(f"[big] {result['model']} ({gb and f'{gb:.0f} GB'}): exit {proc.returncode} in {took:.0f} s, "
           f"{len(result.get('output_ids', []))} tokens", flush=True)
     return result
@@ -291,12 +293,15 @@ def main() -> None:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="the whole run's wall time: a configuration that would not fit (the big one's time kept "
                         "aside) is reported not run, so the table always comes")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # a child: this configuration only, its JSON to stdout's last line
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a child: this configuration only, its JSON into --result
+    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.model_dir = (os.path.join(ROOT, "models", "tiny-trained") if args.dry_run
                       else os.path.join(args.out, "v3-slice-4L"))
     if args.one:
-        print(json.dumps(run_one(args, args.one)), flush=True)
+        out = run_one(args, args.one)
+        with open(args.result, "w") as f:
+            json.dump(out, f)
         return
     os.makedirs(args.out, exist_ok=True)
     if not args.dry_run:
@@ -316,20 +321,23 @@ def main() -> None:
             print(f"[{name}] not run: {limit:.0f} s left of the time budget", flush=True)
             results[name] = {"error": "not run (time budget)"}
             continue
+        # NOTE: the child's result comes back in a file, not through a pipe: its ranks inherit its stdout, and a
+        # pipe held open by a rank that outlives a killed child would keep this process waiting past the limit.
+        result = os.path.join(args.out, f"{name}.json")
+        if os.path.exists(result):
+            os.remove(result)
         try:
-            proc = subprocess.run([sys.executable, __file__, *child, "--one", name], cwd=ROOT, timeout=limit,
-                                  stdout=subprocess.PIPE, text=True)
+            code = subprocess.run([sys.executable, __file__, *child, "--one", name, "--result", result], cwd=ROOT,
+                                  timeout=limit).returncode
         except subprocess.TimeoutExpired:
             print(f"[{name}] TIMED OUT after {limit:.0f} s", flush=True)
-            results[name] = {"error": "timed out"}
+            code = "timed out"
+        if code != 0 or not os.path.exists(result):
+            print(f"[{name}] FAILED ({code})", flush=True)
+            results[name] = {"error": str(code)}
             continue
-        lines = proc.stdout.strip().splitlines()
-        sys.stdout.write("".join(line + "\n" for line in lines[:-1]))
-        if proc.returncode != 0 or not lines:
-            print(f"[{name}] FAILED (exit {proc.returncode})", flush=True)
-            results[name] = {"error": f"exit {proc.returncode}"}
-            continue
-        results[name] = json.loads(lines[-1])
+        with open(result) as f:
+            results[name] = json.load(f)
     if not args.skip_big:
         args.big_timeout = max(1.0, min(args.big_timeout, deadline - time.monotonic()))
         try:

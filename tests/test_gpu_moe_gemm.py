@@ -157,6 +157,27 @@ def test_fused_moe_fp8_v3(fp8_experts, tokens):
     assert out.dtype == torch.bfloat16 and err < 1e-2 and loose < 8e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 128, 4096])
+@pytest.mark.parametrize("down", [None, "contiguous"], ids=["fused", "contiguous-down"])
+def test_fused_moe_fp8_v3_absent_experts(fp8_experts, tokens, down):
+    """Expert parallelism's half: this rank holds experts 0..127, the other rank's pairs come as the absent id 128
+    with NON-zero weights, and add nothing (skipped, not computed at weight 0): the local pairs' sum alone."""
+    w13, w2, s13, s2 = (w[:E // 2] for w in fp8_experts)
+    weights, ids = v3_routing(tokens, tokens + 1)
+    here = ids < E // 2
+    x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16)
+    cfg = None
+    if down:
+        gate_up = _gemm(128, 8, 4)
+        cfg = {"BLOCK_M": 64, "gate_up": gate_up, "down": _gemm(128, 8, 4, "contiguous")}
+    out = triton_moe_kernels.fused_experts(x, weights, torch.where(here, ids, E // 2), w13, w2, s13, s2, config=cfg,
+                                           absent=True)
+    want = moe_reference(x, weights * here, torch.where(here, ids, 0), w13, w2, s13, s2, quantize_activations=True)
+    err = rel_err(out, want)
+    print(f"fp8 MoE, half the experts here, T={tokens}, {down or 'fused'}: {err:.2e} vs the local pairs' sum")
+    assert err < 1e-2
+
+
 def _gemm(block_n, warps, stages, layout=None):
     cfg = dict(BLOCK_N=block_n, BLOCK_K=128, GROUP_M=16, num_warps=warps, num_stages=stages)
     return dict(cfg, LAYOUT=layout) if layout else cfg

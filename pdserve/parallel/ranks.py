@@ -182,11 +182,17 @@ class Ranks:
         with self._lock:
             self._closing.set()
         atexit.unregister(self.close)
+        healthy = not self._failed.is_set() and self._out_of_step is None
         for r in self._ranks:
-            if self._out_of_step is not None:
-                r.process.kill()  # mid-step (or hung): no stop message would be read
+            if not healthy:
+                r.process.kill()  # mid-step, hung or gone: no stop message would be read
             with contextlib.suppress(OSError, ValueError):
                 r.conn.send(None)
+        group = getattr(self, "group", None)
+        if group is not None and healthy:
+            # NOTE: NCCL's shutdown waits for the other ranks' (each shuts its group down as it stops): rank 0 shuts
+            # its own down now, beside theirs; once they were gone it would wait for them until a timeout.
+            group.close()
         for r in self._ranks:
             try:
                 r.process.wait(STOP_TIMEOUT_S)
@@ -194,8 +200,8 @@ class Ranks:
                 r.process.kill()
                 r.process.wait(STOP_TIMEOUT_S)
             r.conn.close()
-        if getattr(self, "group", None) is not None:
-            self.group.close()
+        if group is not None:
+            group.close()  # (a failed group: after its ranks are gone; idempotent)
         self._store = None
 
     @property
