@@ -2,7 +2,8 @@
 prefill side) to a decode receiver in a child process, so what is timed is the control path (handshake excluded:
 BEGIN/GRANT, LAYER announcements or frames, AUX, ROOM_DONE, and the threads that hand them on), not the bytes.
 
-Per room: the decode child expected it (every room up front), then this process times begin() -> the rows (--send
+Per room: the decode child expected it (every room up front), then this process times begin() (or, with
+--open-ahead-ms, the rows' hand-over after begin() and a pause, as the stack opens a room ahead) -> the rows (--send
 room: every layer in one send_layers, as a prefill worker hands over a whole prompt; layers: one send_layer per
 layer) -> finish() -> wait() for the decode worker's confirmation. "cuda_ipc" runs its real protocol over a CPU
 stand-in of the mapping (the decode pool in a shared-memory file that the sender maps), as tests/test_kv_transfer_ipc.py
@@ -46,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=5, help="KV layers per room (5: the V3 slice, 4 layers + NextN)")
     p.add_argument("--kv-dim", type=int, default=576)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--open-ahead-ms", type=float, default=0.0,
+                   help="open each room (begin) this long before its rows, as the stack opens a room while its prompt "
+                        "computes, and time from the rows' hand-over; 0: begin() is timed too (its BEGIN/GRANT)")
     p.add_argument("--out", help="JSON file to write")
     p.add_argument("--role", default="prefill", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
@@ -137,6 +141,9 @@ def run_case(args, transport: str, send: str) -> dict:
                     cpu0 = time.process_time(), child_cpu()
                 t0 = time.perf_counter()
                 h = sender.begin(endpoint, room, args.layers, dst_pages=pages)
+                if args.open_ahead_ms > 0:
+                    time.sleep(args.open_ahead_ms / 1e3)
+                    t0 = time.perf_counter()
                 if send == "room":
                     h.send_layers(0, rows)
                 else:
@@ -151,7 +158,7 @@ def run_case(args, transport: str, send: str) -> dict:
         finally:
             child.stdin.close()
             child.wait(timeout=30)
-    return {"transport": transport, "send": send, "rooms": len(times), "median_us": statistics.median(times) * 1e6,
+    return {"transport": transport, "send": send, "open_ahead_ms": args.open_ahead_ms, "rooms": len(times), "median_us": statistics.median(times) * 1e6,
             "mean_us": statistics.fmean(times) * 1e6, "p90_us": statistics.quantiles(times, n=10)[-1] * 1e6,
             "prefill_cpu_us": cpu[0] / len(times) * 1e6, "decode_cpu_us": cpu[1] / len(times) * 1e6}
 
