@@ -48,6 +48,15 @@ Suites (H100 wall times; extra args go to the suite's program, after its own fla
              `pdserve generate --tp 2`; one table with each target met or missed (< 9 min: what does not fit its time
              budget is reported not run; extra args go to bench_tp.py, e.g. --configs tp1 tp2 --skip-big). Its tests,
              in a call of their own: python3 -m pytest tests/test_gpu_tp.py
+  v3-8gpu    eight GPUs: DeepSeek-V3's full geometry (issue 47), bench_v3_8gpu.py: one colocated worker (61 layers +
+             NextN, FP8 dummy weights) at TP8 and TP8 + DP attention + EP8: decode tok/s at batch 1 with and without
+             NextN, at 32 and 128, prefill tok/s at 4k and 16k, the batch-1 step against the per-GPU read floor (copy
+             bandwidth measured in the run); PD with a TP4 prefill worker on GPUs 0-3 and a TP4 decode worker on 4-7
+             through `pdserve up` + `pdserve bench` (2048 in / 64 out, concurrency 1 32 128, as many layers as fit);
+             one table with each target met or missed (more than one device call: extra args go to bench_v3_8gpu.py,
+             e.g. --parts tp tp-nextn, then --parts dp-ep dp-ep-nextn, then --parts pd; --report DIR... merges
+             them). On fewer GPUs it says so and exits 0; --gpus 2 --layers 8: the same launch on two GPUs (TP2);
+             --dry-run: the CPU (demo model, TP2 over Gloo)
   overlap    overlap scheduling on and off through the product: bench_serving.py on the demo model at concurrency 1
              and 32, once as shipped and once with --disable-overlap-schedule on both sides (~3 min)
   ttft       where a prompt's time goes: the prefill step in one process (engine, + hooks, the worker's own) with
@@ -314,6 +323,12 @@ suite_tp() {  # two GPUs: tp.log, tp.json, tp.md (and the generated V3 configs)
   step 540 python3 benchmarks/bench_tp.py --out "$d" --time-budget-s 520 "$@"
 }
 
+suite_v3_8gpu() {  # eight GPUs: v3-8gpu.log, v3_8gpu.json, v3_8gpu.md, part_<name>.json, pd/ (bench_serving.py's)
+  local d=$1
+  shift
+  step 550 python3 benchmarks/bench_v3_8gpu.py --out "$d" --time-budget-s 530 "$@"
+}
+
 suite_pd() {  # two GPUs: pd.log, pd.md, pd_auto/ pd_nccl/ pd_tcp/ colocated/ long/ (each bench_serving.py's files)
   # The disaggregated stack on two GPUs against the engine alone and two colocated replicas, V3 slice, 2048 in / 64
   # out; benchmarks/pd_report.py makes the table from whichever layouts ran. PD_LAYOUTS picks them (default: all;
@@ -427,7 +442,7 @@ need_gpus() {  # need_gpus N SUITE: exit when this machine has fewer GPUs (0 wit
   have=$(num_gpus)
   [ "$have" -ge "$1" ] && return 0
   if [ "$1" -ge 2 ]; then
-    echo "$2 needs $1 GPUs; this machine has $have. Nothing run. Device tool: kind=\"nvidia-h200-x2\"."
+    echo "$2 needs $1 GPUs; this machine has $have. Nothing run. Device tool: kind=\"nvidia-h200-x$1\"."
     exit 0
   fi
   echo "$2 needs an NVIDIA GPU (nvidia-smi lists none here); run it on the GPU machine" >&2
@@ -444,6 +459,17 @@ case "$suite" in
     need_gpus 1 kv-ipc
     setup_env
     run_suite kv-ipc "$@" ;;
+  v3-8gpu)  # eight GPUs, or --gpus N of them; none for --dry-run
+    gpus=8 prev=
+    for a in "$@"; do
+      [ "$prev" = --gpus ] && gpus=$a
+      case $a in --gpus=*) gpus=${a#--gpus=} ;; esac
+      prev=$a
+    done
+    case " $* " in *" --dry-run "*) gpus=0 ;; esac
+    [ "$gpus" -gt 0 ] && need_gpus "$gpus" v3-8gpu
+    setup_env
+    run_suite v3-8gpu "$@" ;;
   kv | pd | tp)
     need_gpus 2 "$suite"
     setup_env
