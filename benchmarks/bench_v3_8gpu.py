@@ -9,8 +9,8 @@
     - the decode step at batch 1 against the per-GPU HBM read floor: the bytes the busiest GPU must read in one step
       (its shards of the attention, dense, shared-expert, router and lm_head weights; of the routed experts, the
       expected share a batch of B tokens touches with 8 of 256 routed per token: under TP each expert's slice,
-      under EP only the rank's own experts; the latent KV its requests attend over) over the read rate of a
-      device-to-device copy measured in the same process.
+      under EP only the rank's own experts; the latent KV its requests attend over) over the bandwidth of a
+      device-to-device copy (bytes read + written per second) measured in the same process.
 (b) Prefill and decode on one host: a prefill worker TP4 on GPUs 0-3 and a decode worker TP4 on GPUs 4-7 through
     `pdserve up` + `pdserve bench` (benchmarks/bench_serving.py), 2048 in / 64 out at concurrency 1, 32 and 128, with
     as many layers as fit (the full model does not: the choice and the arithmetic behind it are printed).
@@ -110,8 +110,11 @@ def read_floor(model, cfg, batch: int, ctx: int, kv_bytes_per_value: int, dp_siz
 
 
 def floors(args, part: str, result: dict) -> dict:
-    """The read floor of each measured decode batch of a colocated part, against its measured copy bandwidth
-    (the copy reads half the bytes it moves: its read rate is half its read+write rate)."""
+    """The read floor of each measured decode batch of a colocated part at its measured copy bandwidth.
+
+    NOTE: the rate is the copy's bytes read + written per second, not half of it: HBM moves reads and writes through
+    the same channels, and a step that only reads reaches that rate: a floor at half of it is not one (decode steps
+    have run below bench_one_batch.py's, which halves it)."""
     from pdserve.config import ModelConfig
     from pdserve.weights import resolve_dtype
 
@@ -119,7 +122,7 @@ def floors(args, part: str, result: dict) -> dict:
     dp = part.startswith("dp-ep")
     model = rank_model(cfg, resolve_dtype("float32" if args.dry_run else "auto", cfg), args.tp, dp, dp)
     s = bench_tp.sizes(args)
-    read_rate = result["copy_bw"] / 2
+    read_rate = result["copy_bw"]
     out = {}
     for b, ms in result.get("decode_ms", {}).items():
         f = read_floor(model, cfg, int(b), s["ctx"] + s["steps"], result["kv_bytes_per_value"], args.tp if dp else 1)
@@ -411,7 +414,7 @@ def table(results: dict, n: int) -> str:
         lines.append("| read floor per GPU, batch 1: GB (weights + experts + KV) | " + " | ".join(
             "{:.2f} ({:.2f} + {:.2f} + {:.3f})".format(*(results[p]["floor"]["1"][k] / 1e9 for k in (
                 "total", "weights", "experts", "kv"))) for p in colo) + " |")
-        lines.append("| copy bandwidth TB/s (read + write) | " + " | ".join(
+        lines.append("| copy bandwidth TB/s (read + write: the floor's rate) | " + " | ".join(
             f"{results[p]['copy_bw'] / 1e12:.3f}" for p in colo) + " |")
         lines.append("| step / floor at batch 1 | " + " | ".join(
             f"{results[p]['floor']['1']['ratio']:.2f}" for p in colo) + " |")
