@@ -94,3 +94,31 @@ def test_up_parses_the_gpu_flags_and_paces_decode_only_where_it_shares_a_gpu():
     assert decode_gpu_share(args, apart) == 1.0
     assert decode_gpu_share(args, together) == 1 / 3
     assert decode_gpu_share(parser.parse_args(["up", "--decode-gpu-share", "0.5"]), apart) == 0.5
+
+
+def test_tensor_parallel_workers_span_runs_of_tp_gpus_and_what_does_not_fit_is_refused():
+    # Each tier's GPUs N at a time, each worker on its run's first (its ranks count up from there).
+    four = place_workers("cuda", 1, 1, "auto", 8, prefill_gpus=(0, 1, 2, 3), decode_gpus=(4, 5, 6, 7), tp=4)
+    assert four == Placement(("cuda:0",), ("cuda:4",), 4) and not four.shares_gpu
+    assert four.describe("auto")[0] == "prefill worker 0 on cuda:0-3 (TP4), decode worker 0 on cuda:4-7 (TP4)"
+    assert place_workers("cuda", 2, 1, "auto", 4, gpus=(0, 1, 2, 3), tp=2) == Placement(
+        ("cuda:0", "cuda:0"), ("cuda:2",), 2)
+    # --gpus whose halves are too small for N: both tiers span the whole list, sharing its GPUs.
+    both = place_workers("cuda", 1, 1, "auto", 2, gpus=(0, 1), tp=2)
+    assert both == Placement(("cuda:0",), ("cuda:0",), 2) and both.shares_gpu
+    assert both.span("cuda:0") == ("cuda:0", "cuda:1")
+    assert place_workers("cuda", 1, 1, "auto", 2, tp=2) == Placement(("cuda",), ("cuda",), 2)
+    refused = [
+        (dict(device="cuda:1", tp=2), "--tp 2 runs each worker on 2 GPUs from cuda:1's: GPUs 1-2, and this machine "
+                                      "has 2"),
+        (dict(prefill_gpus=(0,), decode_gpus=(1,), tp=2), "--tp 2 runs a prefill worker on 2 GPUs; its tier has 1"),
+        (dict(prefill_gpus=(0, 2), decode_gpus=(1, 3), gpu_count=4, tp=2),
+         "a prefill worker's ranks run on consecutive GPUs from its first, and 0,2 of 0,2 are not"),
+        (dict(kv_transport="nccl", tp=2), "--kv-transport nccl puts each worker on its own GPU, --tp 2 on 2"),
+        (dict(kv_transport="nccl", gpus=(0, 1), gpu_count=4, tp=2), "cannot pair a prefill and a decode worker on "
+                                                                    "one GPU (cuda:0"),
+    ]
+    for kwargs, message in refused:
+        kwargs = {"device": "cuda", "kv_transport": "auto", "gpu_count": 2, **kwargs}
+        with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            place_workers(kwargs.pop("device"), 1, 1, kwargs.pop("kv_transport"), kwargs.pop("gpu_count"), **kwargs)

@@ -8,6 +8,10 @@ each pair. Pure arithmetic on the flags and the GPU count, so it is tested witho
 
 Workers of a tier go round robin over its GPUs. Without any of these flags every worker runs on --device (one GPU,
 or the CPU), except with --kv-transport nccl, which needs a GPU per worker: worker k then runs on cuda:k.
+
+With --tp N a worker's ranks run on N GPUs in a row, counted up from its own (pdserve/parallel/group.rank_device):
+a tier's GPUs are taken N at a time, each run of N consecutive. Where --gpus splits into halves too small for N,
+both tiers span the whole list (each GPU then holds a prefill and a decode rank: --gpus 0,1 --tp 2).
 """
 
 from __future__ import annotations
@@ -35,19 +39,32 @@ def gpu_list(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Placement:
-    """The device of each worker, prefill workers first, in the order `up` starts them."""
+    """The device of each worker (its rank 0's), prefill workers first, in the order `up` starts them; `tp`: the GPUs
+    each worker spans, counted up from its device."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
+    tp: int = 1
 
     @property
     def devices(self) -> tuple[str, ...]:
         return self.prefill + self.decode
 
+    def span(self, device: str) -> tuple[str, ...]:
+        """The devices of a worker on `device`: its ranks'."""
+        first = _device_gpu(device)
+        return (device,) if first is None or self.tp == 1 else tuple(f"cuda:{first + r}" for r in range(self.tp))
+
     @property
     def shares_gpu(self) -> bool:
-        """Whether a decode worker shares its GPU with a prefill worker (then decode steps are paced)."""
-        return any(d.startswith("cuda") for d in self.decode) and bool(set(self.prefill) & set(self.decode))
+        """Whether a decode worker shares a GPU with a prefill worker (then decode steps are paced)."""
+        spans = [set(self.span(d)) for d in self.prefill]
+        return any(d.startswith("cuda") and any(set(self.span(d)) & s for s in spans) for d in self.decode)
+
+    def where(self, device: str) -> str:
+        """A worker's place as `up` logs it: cuda:0, or cuda:0-1 (TP2)."""
+        span = self.span(device)
+        return device if len(span) == 1 else f"{span[0]}-{span[-1].split(':')[1]} (TP{self.tp})"
 
     def pair_transport(self, kv_transport: str, prefill: str, decode: str) -> str:
         """What `kv_transport` moves KV over between a prefill worker on `prefill` and a decode worker on `decode`
@@ -58,7 +75,7 @@ class Placement:
 
     def describe(self, kv_transport: str) -> list[str]:
         """The lines `up` logs at start: each worker's device, and each distinct pair of devices' transport."""
-        lines = [", ".join(f"{role} worker {i} on {dev}" for role, devs in (("prefill", self.prefill),
+        lines = [", ".join(f"{role} worker {i} on {self.where(dev)}" for role, devs in (("prefill", self.prefill),
                                                                            ("decode", self.decode))
                            for i, dev in enumerate(devs))]
         for p in dict.fromkeys(self.prefill):
@@ -78,10 +95,28 @@ def _device_gpu(device: str) -> Optional[int]:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
+def _worker_gpus(role: str, tier: Sequence[int], tp: int) -> tuple[int, ...]:
+    """The first GPU of each place a worker of this tier can take: the tier's GPUs N (= tp) at a time, each run of
+    N consecutive GPUs, as a worker's ranks count up from its first."""
+    if tp == 1:
+        return tuple(tier)
+    names = ",".join(map(str, tier))
+    if len(tier) < tp:
+        raise UsageError(f"--tp {tp} runs a {role} worker on {tp} GPUs; its tier has {len(tier)} ({names}): give it "
+                         f"{tp} (--{role}-gpus), or list {tp} in --gpus for both tiers to span")
+    runs = [tuple(tier[i:i + tp]) for i in range(0, len(tier) - tp + 1, tp)]
+    for run in runs:
+        if run != tuple(range(run[0], run[0] + tp)):
+            raise UsageError(f"--tp {tp}: a {role} worker's ranks run on consecutive GPUs from its first, and "
+                             f"{','.join(map(str, run))} of {names} are not: list its tier's GPUs in runs of {tp}")
+    return tuple(run[0] for run in runs)
+
+
 def place_workers(device: str, num_prefill: int, num_decode: int, kv_transport: str, gpu_count: int,
                   gpus: Optional[Sequence[int]] = None, prefill_gpus: Optional[Sequence[int]] = None,
-                  decode_gpus: Optional[Sequence[int]] = None) -> Placement:
-    """Each worker's device, or a UsageError naming the flag to fix. `gpu_count`: the GPUs this machine has."""
+                  decode_gpus: Optional[Sequence[int]] = None, tp: int = 1) -> Placement:
+    """Each worker's device (a tensor-parallel worker's rank 0), or a UsageError naming the flag to fix.
+    `gpu_count`: the GPUs this machine has; `tp`: GPUs per worker."""
     explicit = gpus is not None or prefill_gpus is not None or decode_gpus is not None
     if _device_gpu(device) is None:
         if explicit:
@@ -91,7 +126,14 @@ def place_workers(device: str, num_prefill: int, num_decode: int, kv_transport: 
         return Placement((device,) * num_prefill, (device,) * num_decode)
     if not explicit:
         if kv_transport != "nccl":
-            return Placement((device,) * num_prefill, (device,) * num_decode)
+            first = _device_gpu(device)
+            if tp > 1 and first + tp > gpu_count:
+                raise UsageError(f"--tp {tp} runs each worker on {tp} GPUs from {device}'s: GPUs {first}-"
+                                 f"{first + tp - 1}, and this machine has {gpu_count}")
+            return Placement((device,) * num_prefill, (device,) * num_decode, tp)
+        if tp > 1:
+            raise UsageError(f"--kv-transport nccl puts each worker on its own GPU, --tp {tp} on {tp}: give each "
+                             "tier its GPUs (--prefill-gpus, --decode-gpus)")
         need = num_prefill + num_decode  # NCCL refuses two ranks on one GPU: a GPU per worker
         if gpu_count < need:
             raise UsageError(f"--kv-transport nccl puts each worker on its own GPU: {need} workers need {need} GPUs, "
@@ -111,10 +153,10 @@ def place_workers(device: str, num_prefill: int, num_decode: int, kv_transport: 
         if gpus is not None and flag != "--gpus" and set(chosen) - set(gpus):
             raise UsageError(f"{flag} names GPUs outside --gpus {','.join(map(str, gpus))}")
     if prefill_gpus is None and decode_gpus is None:
-        if len(pool) == 1:
+        half = -(-len(pool) // 2)
+        if len(pool) == 1 or len(pool) - half < tp <= len(pool):
             prefill_gpus = decode_gpus = pool
         else:
-            half = -(-len(pool) // 2)
             prefill_gpus, decode_gpus = pool[:half], pool[half:]
     elif prefill_gpus is None or decode_gpus is None:
         rest = tuple(g for g in pool if g not in (prefill_gpus or decode_gpus))
@@ -123,10 +165,12 @@ def place_workers(device: str, num_prefill: int, num_decode: int, kv_transport: 
             other = "--decode-gpus" if decode_gpus is None else "--prefill-gpus"
             raise UsageError(f"{given} takes every GPU of --gpus: give {other} too (a GPU may serve both tiers)")
         prefill_gpus, decode_gpus = (prefill_gpus, rest) if decode_gpus is None else (rest, decode_gpus)
-    placement = Placement(tuple(f"cuda:{prefill_gpus[i % len(prefill_gpus)]}" for i in range(num_prefill)),
-                          tuple(f"cuda:{decode_gpus[i % len(decode_gpus)]}" for i in range(num_decode)))
+    firsts = {role: _worker_gpus(role, tier, tp) for role, tier in (("prefill", prefill_gpus), ("decode", decode_gpus))}
+    placement = Placement(tuple(f"cuda:{firsts['prefill'][i % len(firsts['prefill'])]}" for i in range(num_prefill)),
+                          tuple(f"cuda:{firsts['decode'][i % len(firsts['decode'])]}" for i in range(num_decode)), tp)
     if kv_transport == "nccl":
-        shared = sorted(set(placement.prefill) & set(placement.decode))
+        shared = sorted({g for d in placement.prefill for g in placement.span(d)}
+                        & {g for d in placement.decode for g in placement.span(d)})
         if shared:
             raise UsageError(f"--kv-transport nccl cannot pair a prefill and a decode worker on one GPU ({shared[0]}; "
                              "NCCL refuses two ranks on a device): give the tiers different GPUs, or use auto")

@@ -120,14 +120,15 @@ def placement(args: argparse.Namespace) -> "Placement":
     from pdserve.cli.gpu_layout import place_workers
 
     explicit = any(getattr(args, f, None) is not None for f in ("gpus", "prefill_gpus", "decode_gpus"))
+    tp = getattr(args, "tp", 1)
     gpu_count = 0
-    if args.device.startswith("cuda") and (explicit or args.kv_transport == "nccl"):
+    if args.device.startswith("cuda") and (explicit or args.kv_transport == "nccl" or tp > 1):
         import torch
 
         gpu_count = torch.cuda.device_count()
     return place_workers(args.device, args.prefill, args.decode, args.kv_transport, gpu_count,
                          getattr(args, "gpus", None), getattr(args, "prefill_gpus", None),
-                         getattr(args, "decode_gpus", None))
+                         getattr(args, "decode_gpus", None), tp)
 
 
 # --decode-gpu-share auto, when a decode worker shares its GPU with a prefill worker: while prompts wait and the GPU is
