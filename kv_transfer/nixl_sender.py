@@ -5,8 +5,10 @@ Rows. `send` gathers the rows of its layers `(layers, tokens, kv_dim)` into bloc
 arena, on a GPU in a few runs of layers (`pages.chunk_count`; one gather each, on the caller's stream, an event after
 each), so the caller may reuse its pool at once and each WRITE reads memory NIXL already knows; a run is at most half
 the arena. When the arena has no room left a run is gathered into a plain tensor instead, and the writer thread moves
-it into the arena once earlier WRITEs have freed enough of it (one larger than the whole arena is registered for its
-one WRITE). The prefill engine's thread never waits for the link.
+it into the arena if earlier WRITEs free enough of it within `_ARENA_WAIT_S`, else registers it for its one WRITE (as
+one larger than the whole arena always is): the room it waits for may be held by a later send, gathered on the
+caller's thread and queued behind it, or by another connection's, so waiting on would deadlock. The prefill engine's
+thread never waits for the link.
 
 Writer thread, per LAYER item (one `send`) in queue order: wait for the room's GRANT (`grants.py`); post one WRITE per
 run as soon as its gather is done, without waiting for the earlier ones (one descriptor per layer and page run into
@@ -43,6 +45,7 @@ NIXL = "nixl"
 DEFAULT_SEND_ARENA_BYTES = 256 << 20  # rows of a few rooms' layers in flight; larger ones wait or register apart
 _POLL_SPIN_S = 0.001  # a WRITE is polled back to back this long, then with short sleeps (the CPU is shared)
 _POLL_SLEEP_S = 0.0002
+_ARENA_WAIT_S = 0.002  # a run gathered outside the arena waits this long for room, then is registered by itself
 _ABANDONED_WAIT_S = 5.0  # how long an ended connection waits for WRITEs it stopped polling before it lets them go
 _PROBE_BYTES = 256  # the pairing's first WRITE
 
@@ -365,12 +368,10 @@ class NixlSendPlane(SendPlane):
         if item.ready is not None:
             item.ready.synchronize()
         nbytes = rows.numel() * rows.element_size()
-        if nbytes > self.arena.nbytes:  # never fits: registered for this WRITE alone
-            return rows, _OwnRegistration(self.agent, rows)
+        give_up = time.monotonic() + _ARENA_WAIT_S
         while (block := self.arena.take(nbytes)) is None:  # the arena frees as this and other writers finish
-            if time.monotonic() >= handle.deadline:
-                raise KVTransferError("timeout", f"room {handle.room}: no room in the NIXL send arena "
-                                                 f"({self.arena.nbytes} bytes) within the transfer's deadline")
+            if nbytes > self.arena.nbytes or time.monotonic() >= give_up:  # registered for this WRITE alone
+                return rows, _OwnRegistration(self.agent, rows)
             if self.conn.broken is not None:
                 raise self.conn.broken
             time.sleep(_POLL_SLEEP_S * 10)

@@ -165,8 +165,29 @@ def test_interleaved_rooms_share_one_pairing_and_the_arenas_empty(cleanup):
     assert decode.idle
 
 
+def test_rows_gathered_outside_a_full_arena_do_not_wait_for_room_someone_else_holds(cleanup):
+    """The arena's room may be held by a send queued behind this one (gathered on the caller's thread while this one
+    waited) or by another connection's: rows gathered outside it are registered by themselves rather than wait for
+    it (which would wait until the transfer's deadline)."""
+    decode = nixl_decode(cleanup)
+    s = nixl_sender(cleanup, arena_bytes=KV_DIM * 4 * TOKENS + 256, timeout_s=30)
+    pages = decode.reserve(4, TOKENS)
+    h = s.begin(decode.receiver.endpoint, 4, LAYERS, dst_pages=pages)
+    arena = s.pairing.arena()
+    held = arena.take(arena.free_bytes // arena.ALIGN * arena.ALIGN)  # a later send's gather, held until written
+    assert held is not None and arena.free_bytes < KV_DIM * 4 * TOKENS
+    for layer in range(LAYERS):
+        h.send_layer(layer, rows_of(4, decode.layout)[layer])
+    h.finish(AUX)
+    h.wait(timeout=5)
+    decode.rec.wait_for(lambda: decode.rec.done)
+    assert landed(decode, 4, pages) and decode.idle
+    del held, h
+    wait_until(lambda: arena.free_bytes == arena.nbytes)
+
+
 @pytest.mark.parametrize("arena_bytes", [
-    KV_DIM * 4 * TOKENS + 256,  # one layer's rows fit: the others wait for room, and move in as WRITEs free it
+    KV_DIM * 4 * TOKENS + 256,  # one layer's rows fit: the others move in as WRITEs free it, or by themselves
     1024,  # not even one layer fits: each send's rows are registered for their one WRITE
 ])
 def test_rows_beyond_the_arena_still_land(cleanup, arena_bytes):
