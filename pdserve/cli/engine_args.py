@@ -130,6 +130,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="positions verified per round; must be --speculative-num-steps + 1 (the default)")
 
 
+def check_dp_attention(args) -> None:
+    """--dp-attention runs in `pdserve generate` only: a UsageError on any other command."""
+    if args.dp_attention and getattr(args, "command", "generate") != "generate":
+        # each request's KV lives on one rank's pool, which the KV transfers of the tiers do not address yet
+        raise UsageError(f"--dp-attention: not available on `pdserve {args.command}` yet (pdserve generate only)")
+
+
 def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False):
     """prefill_only: a prefill worker's engine. It never decodes, so it captures no decode CUDA graphs (memory and
     start-up time for nothing) and those do not steer --attention-backend auto."""
@@ -141,9 +148,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
 
     args.model = resolve_model_dir(args.model)
     tp = getattr(args, "tp", 1)
-    if args.dp_attention and getattr(args, "command", "generate") != "generate":
-        # each request's KV lives on one rank's pool, which the KV transfers of the tiers do not address yet
-        raise UsageError(f"--dp-attention: not available on `pdserve {args.command}` yet (pdserve generate only)")
+    check_dp_attention(args)
     device = args.device
     if device == "auto":
         import torch

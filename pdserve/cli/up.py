@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Optional
 
-from pdserve.cli.engine_args import DEFAULT_MODEL_DIR
+from pdserve.cli.engine_args import DEFAULT_MODEL_DIR, check_dp_attention
 from pdserve.cli.serve import _say, run_router
 
 # The random tiny model `up` makes when a checkout lacks the committed demo model (DEFAULT_MODEL_DIR).
@@ -88,7 +88,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              "--gemm-backend", args.gemm_backend, "--page-size", str(args.page_size), "--num-pages",
              str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len),
-             "--tp", str(args.tp), "--ep", str(args.ep)]
+             "--tp", str(args.tp), "--ep", str(args.ep), "--collective-timeout", str(args.collective_timeout)]
     flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     if args.speculative_algorithm:  # decode rows speculate; prefill workers then compute the MTP layer's prompt KV
         flags += ["--speculative-algorithm", args.speculative_algorithm, "--speculative-num-steps",
@@ -266,6 +266,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.serving.worker_common import check_nixl_backend
 
     check_nixl_backend(args.kv_transport, args.nixl_backend)  # before any worker starts, not in each of them
+    check_dp_attention(args)
     layout = placement(args)
     check_cpu_backends(args, layout)
     devices = list(layout.devices)
