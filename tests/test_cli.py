@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -303,10 +302,6 @@ def test_a_caught_ctrl_c_inside_a_string_exec_still_exits_0_under_python_m(tmp_p
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
     proc = subprocess.run([sys.executable, "-m", "ctrl_c_probe"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
-    if not servers_handler and proc.stdout == "" and proc.returncode == -signal.SIGINT:
-        # The control only: its SIGINT ended it before any KeyboardInterrupt was raised (CI saw it once, silently,
-        # on a loaded machine), so this run says nothing about the trap either way.
-        pytest.skip("the control's SIGINT ended it before a KeyboardInterrupt was raised")
     assert proc.stdout == "stopped\n", proc.stderr
     if not servers_handler and proc.returncode == 0:
         pytest.skip(f"this CPython ({sys.version.split()[0]}) does not end with SIGINT after a caught one")
