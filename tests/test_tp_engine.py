@@ -48,11 +48,24 @@ def outputs(e: LLMEngine, prompts) -> list[tuple[list[int], int]]:
     return [(o.output_ids, o.cached_tokens) for o in runs]
 
 
-def compare(model_dir, prompts, ep: int = 1, **kw) -> None:
-    want = outputs(engine(model_dir, 1, **kw), prompts)
-    parallel = engine(model_dir, 2, ep, **kw)
+@pytest.fixture(scope="module")
+def single_outputs():
+    """outputs() of the single-process engine per model folder, computed once: the TP and EP runs of a model
+    compare against the same reference."""
+    done: dict[str, list[tuple[list[int], int]]] = {}
+
+    def get(model_dir) -> list[tuple[list[int], int]]:
+        if str(model_dir) not in done:
+            done[str(model_dir)] = outputs(engine(model_dir, 1), ID_PROMPTS)
+        return done[str(model_dir)]
+
+    return get
+
+
+def compare(model_dir, want, ep: int = 1) -> None:
+    parallel = engine(model_dir, 2, ep)
     try:
-        got = outputs(parallel, prompts)
+        got = outputs(parallel, ID_PROMPTS)
     finally:
         parallel.close()
     assert any(cached for _, cached in got)  # some prompt reused the pages of another
@@ -106,13 +119,19 @@ def test_tp2_with_nextn_speculation_is_lossless(trained_model_dir, trained):
 
 
 @pytest.mark.parametrize("model, ep", [("tiny_v3_dir", 1), ("tiny_v2_dir", 1), ("tiny_v2_dir", 2)])
-def test_tp2_gives_the_single_process_tokens_on_random_models(model, ep, request):
-    compare(request.getfixturevalue(model), ID_PROMPTS, ep)
+def test_tp2_gives_the_single_process_tokens_on_random_models(model, ep, request, single_outputs):
+    model_dir = request.getfixturevalue(model)
+    compare(model_dir, single_outputs(model_dir), ep)
+
+
+@pytest.fixture(scope="module")
+def fp8_32_dir(tmp_path_factory, tiny_v3_dir) -> str:
+    return fp8_checkpoint(tmp_path_factory.mktemp("tp-engine") / "fp8-32", tiny_v3_dir, 32)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_tp2_gives_the_single_process_tokens_with_fp8_blocks(tmp_path, tiny_v3_dir, ep):
-    compare(fp8_checkpoint(tmp_path / "fp8-32", tiny_v3_dir, 32), ID_PROMPTS, ep)
+def test_tp2_gives_the_single_process_tokens_with_fp8_blocks(fp8_32_dir, single_outputs, ep):
+    compare(fp8_32_dir, single_outputs(fp8_32_dir), ep)
 
 
 def test_dp_attention_gives_the_single_process_tokens(trained_model_dir, trained):
