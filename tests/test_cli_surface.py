@@ -86,6 +86,22 @@ def test_backend_choices_are_every_backend_pdserve_has():
         choices = backend_choices(f"--{kind}-backend")
         assert choices[0] == "auto" and set(choices[1:]) == set(REGISTRIES[kind].names()) | set(PREFERENCE[kind])
     assert "flashinfer" in backend_choices("--attention-backend") and "deep_gemm" in backend_choices("--moe-backend")
+    from pdserve.kv_transfer import TRANSPORTS
+
+    for command in ("prefill", "decode", "up"):
+        assert sorted(_subparsers(build_parser())[command]._option_string_actions["--kv-transport"].choices) == \
+            sorted(TRANSPORTS.names())
+
+
+def test_help_and_a_users_mistake_come_without_importing_torch():
+    """Written-out choices: `--help` and a flag's mistake need none of the registries' modules (torch's import
+    alone takes seconds)."""
+    probe = ("import sys\nfrom pdserve.cli import main\nfor argv in (['decode', '--help'], ['up', '--help'], "
+             "['generate', '--model', '/nonexistent', '--prompt', 'hi']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print('torch' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip().splitlines()[-1] == "False", run.stdout[-2000:] + run.stderr[-2000:]
 
 
 def pdserve(*args: str, env=None) -> subprocess.CompletedProcess:

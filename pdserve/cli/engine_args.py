@@ -17,12 +17,16 @@ CHECKOUT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 DEFAULT_MODEL_DIR = os.path.join(CHECKOUT_DIR, "models", "tiny-trained")
 
 
-def backend_names(kind: str) -> list[str]:
-    """Every backend of `kind` pdserve has, whether or not its package is installed here: one that cannot run here
-    is refused with the reason when the engine is configured (exit 2), not by argparse as an unknown name."""
-    from pdserve.kernels.backends import PREFERENCE, REGISTRIES
+# Every kernel backend pdserve has, by kind, whether or not its package is installed here (one that cannot run here is
+# refused with the reason when the engine is configured, exit 2, not by argparse as an unknown name). Written out
+# rather than read from the registries, whose modules import torch: `--help` and a user's error then come at once;
+# tests/test_cli_surface.py keeps these equal to the registries.
+BACKEND_NAMES = {"attention": ("flashinfer", "torch", "triton"), "moe": ("deep_gemm", "torch", "triton"),
+                 "gemm": ("deep_gemm", "scaled_mm", "torch", "triton")}
 
-    return ["auto", *sorted(set(REGISTRIES[kind].names()) | set(PREFERENCE[kind]))]
+
+def backend_names(kind: str) -> list[str]:
+    return ["auto", *BACKEND_NAMES[kind]]
 
 
 def attention_backend_names() -> list[str]:
@@ -140,15 +144,15 @@ def check_dp_attention(args) -> None:
 def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False):
     """prefill_only: a prefill worker's engine. It never decodes, so it captures no decode CUDA graphs (memory and
     start-up time for nothing) and those do not steer --attention-backend auto."""
+    args.model = resolve_model_dir(args.model)  # (the user's mistakes first, before torch is imported)
+    check_dp_attention(args)
     from pdserve.engine import EngineConfig
     from pdserve.kv_cache import CacheConfig
     from pdserve.scheduler import SchedulerConfig
     from pdserve.config import ParallelConfig
     from pdserve.spec_decode import SpeculativeConfig
 
-    args.model = resolve_model_dir(args.model)
     tp = getattr(args, "tp", 1)
-    check_dp_attention(args)
     device = args.device
     if device == "auto":
         import torch

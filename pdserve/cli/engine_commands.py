@@ -21,10 +21,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from pdserve.cli.serve import generate_remote
 
         return generate_remote(args, params)
+    start = time.monotonic()
+    config = engine_config_from_args(args)  # (a mistake in the flags is said before the engine's import)
     from pdserve.engine import LLMEngine
 
-    start = time.monotonic()
-    engine = LLMEngine(engine_config_from_args(args), progress=_progress)
+    engine = LLMEngine(config, progress=_progress)
     _progress(f"model ready in {time.monotonic() - start:.1f}s ({engine.model_config.name}, "
               f"{engine.config.device})")
     prompt = args.prompt if args.prompt is not None else args.input_ids

@@ -122,10 +122,13 @@ NIXL_BACKEND_HELP = (
     "name the same). UCX picks its own transports from UCX_TLS and UCX_NET_DEVICES in the workers' environment")
 
 
-def kv_transport_names() -> list[str]:
-    from pdserve.kv_transfer import TRANSPORTS
+# The KV transports (kv_transfer's registry, which imports torch), written out for the parser as the kernel backends
+# are (engine_args.BACKEND_NAMES); tests/test_cli_surface.py keeps them equal.
+KV_TRANSPORT_NAMES = ("auto", "cuda_ipc", "gloo", "nccl", "nixl", "tcp")
 
-    return TRANSPORTS.names()
+
+def kv_transport_names() -> list[str]:
+    return list(KV_TRANSPORT_NAMES)
 
 
 def add_reliability_args(p: argparse.ArgumentParser, internal_server: bool):
