@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 from pathlib import Path
 from typing import Callable
 
@@ -39,16 +38,6 @@ def _interpreter_modules_keep_it(request, monkeypatch):
     late is made interpreted too)."""
     if os.path.abspath(str(request.path)) in INTERPRETED_FILES:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture(autouse=True)
-def _sigint_as_it_was():
-    """A command run in this process (`cli.main(["up", ...])`) may leave Ctrl-C handled its way or ignored (`up`
-    ignores it while it stops its workers); the processes later tests start would inherit an ignored SIGINT, and
-    Python then raises no KeyboardInterrupt in them at all."""
-    before = signal.getsignal(signal.SIGINT)
-    yield
-    signal.signal(signal.SIGINT, before)
 
 
 def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -300,8 +301,10 @@ def test_a_caught_ctrl_c_inside_a_string_exec_still_exits_0_under_python_m(tmp_p
         "    print('stopped', flush=True)\n"
         "sys.exit(0)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    # NOTE: SIGINT as a terminal gives it: a suite started in the background (`scripts/test.sh &`, nohup) runs with
+    # SIGINT ignored, which its children inherit, and Python then raises no KeyboardInterrupt at all.
     proc = subprocess.run([sys.executable, "-m", "ctrl_c_probe"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout == "stopped\n", proc.stderr
     if not servers_handler and proc.returncode == 0:
         pytest.skip(f"this CPython ({sys.version.split()[0]}) does not end with SIGINT after a caught one")
