@@ -152,6 +152,25 @@ class Stack:
         stop_all(self.all())
 
 
+def start_pd_on_gpus(model_dir, log_dir: Path, kv_transport: str, prefill_device: str = "cuda:0",
+                     decode_device: str = "cuda:1") -> Stack:
+    """A router, a prefill worker on `prefill_device` and a decode worker on `decode_device` (one GPU or two) moving
+    KV over `kv_transport`, in fp32 with the torch attention and MoE (whose GPU tokens equal the CPU reference's)."""
+    common = ["--model", str(model_dir), "--page-size", "4", "--num-pages", "512", "--kv-transport", kv_transport,
+              "--dtype", "float32", "--attention-backend", "torch", "--moe-backend", "torch"]
+    prefill, decode = start_all([
+        ("prefill", [*common, "--device", prefill_device, "--worker-id", "prefill-0"], "prefill-0"),
+        ("decode", [*common, "--device", decode_device, "--worker-id", "decode-0"], "decode-0"),
+    ], log_dir, timeout_s=180)
+    try:
+        router = start("router", ["--model", str(model_dir), "--prefill", prefill.address, "--decode",
+                                  decode.address], log_dir, "router")
+    except BaseException:
+        stop_all([prefill, decode])
+        raise
+    return Stack([prefill], [decode], router)
+
+
 def metric(port: int, name: str, **labels) -> float:
     """The sum of a metric's samples with these labels on a server's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import CudaIpcKVSender, KVLayout, KVTransferError, token_slots
-from stack import Stack, metric, start, start_all
+from stack import metric, start_pd_on_gpus
 from test_kv_transfer_collective import Decode, read_line, wait_until
 from golden import check_against_reference
 
@@ -319,17 +319,10 @@ def test_outputs_match_the_single_process_engine(model, tmp_path, request):
 
     model_dir = request.getfixturevalue(model)
     reference = reference_outputs(model_dir, dtype="float32")  # the stack below runs in fp32 too
-    common = ["--model", str(model_dir), "--page-size", "4", "--num-pages", "512", "--kv-transport", "auto",
-              "--dtype", "float32", "--attention-backend", "torch", "--moe-backend", "torch", "--device", DEVICE]
-    prefill_proc, decode_proc = start_all([
-        ("prefill", [*common, "--worker-id", "prefill-0"], "prefill-0"),
-        ("decode", [*common, "--worker-id", "decode-0"], "decode-0"),
-    ], tmp_path, timeout_s=180)
-    router = start("router", ["--model", str(model_dir), "--prefill", prefill_proc.address, "--decode",
-                              decode_proc.address], tmp_path, "router")
-    stack = Stack([prefill_proc], [decode_proc], router)
+    stack = start_pd_on_gpus(model_dir, tmp_path, "auto", DEVICE, DEVICE)  # (one GPU: both on it)
+    (prefill_proc,) = stack.prefill
     try:
-        check_against_reference(router.address, reference)
+        check_against_reference(stack.router.address, reference)
         assert metric(prefill_proc.metrics_port, "pdserve_kv_transfer_bytes_total", transport="cuda_ipc") > 0
         assert "over cuda_ipc (same GPU)" in prefill_proc.log_path.read_text()
     finally:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import KVLayout, KVTransferError, NcclKVSender, token_slots
-from stack import Stack, free_port, start, start_all
+from stack import free_port, start_pd_on_gpus
 from test_kv_transfer_collective import Decode, read_line, wait_until
 from golden import check_against_reference
 
@@ -250,16 +250,8 @@ def test_decode_killed_mid_transfer(cleanup):
 def test_outputs_match_the_single_process_engine(tiny_v3_dir, tmp_path, reference):
     """Prefill on cuda:0, decode on cuda:1, KV over NCCL: the single-process engine's greedy tokens (the CPU
     reference: GPU fp32 with these backends equals it, tests/test_gpu_engine.py)."""
-    common = ["--model", str(tiny_v3_dir), "--page-size", "4", "--num-pages", "512", "--kv-transport", "nccl",
-              "--dtype", "float32", "--attention-backend", "torch", "--moe-backend", "torch"]
-    prefill_proc, decode_proc = start_all([
-        ("prefill", [*common, "--device", PREFILL_DEVICE, "--worker-id", "prefill-0"], "prefill-0"),
-        ("decode", [*common, "--device", DECODE_DEVICE, "--worker-id", "decode-0"], "decode-0"),
-    ], tmp_path, timeout_s=180)
-    router = start("router", ["--model", str(tiny_v3_dir), "--prefill", prefill_proc.address, "--decode",
-                              decode_proc.address], tmp_path, "router")
-    stack = Stack([prefill_proc], [decode_proc], router)
+    stack = start_pd_on_gpus(tiny_v3_dir, tmp_path, "nccl", PREFILL_DEVICE, DECODE_DEVICE)
     try:
-        check_against_reference(router.address, reference)
+        check_against_reference(stack.router.address, reference)
     finally:
         stack.stop()

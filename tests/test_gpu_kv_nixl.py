@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import KVLayout, KVTransferError, NixlKVSender
-from stack import Stack, metric, start, start_all, wait_idle
+from stack import metric, start_pd_on_gpus, wait_idle
 from test_kv_transfer_collective import read_line
 from golden import check_against_reference
 
@@ -146,17 +146,10 @@ def test_decode_killed_mid_transfer(cleanup):
 def test_outputs_match_the_single_process_engine(tiny_v3_dir, tmp_path, reference):
     """Prefill on cuda:0, decode on cuda:1, KV over NIXL: the single-process engine's greedy tokens (the CPU
     reference: GPU fp32 with these backends equals it, tests/test_gpu_engine.py), the pools idle after."""
-    common = ["--model", str(tiny_v3_dir), "--page-size", "4", "--num-pages", "512", "--kv-transport", "nixl",
-              "--dtype", "float32", "--attention-backend", "torch", "--moe-backend", "torch"]
-    prefill_proc, decode_proc = start_all([
-        ("prefill", [*common, "--device", PREFILL_DEVICE, "--worker-id", "prefill-0"], "prefill-0"),
-        ("decode", [*common, "--device", DECODE_DEVICE, "--worker-id", "decode-0"], "decode-0"),
-    ], tmp_path, timeout_s=180)
-    router = start("router", ["--model", str(tiny_v3_dir), "--prefill", prefill_proc.address, "--decode",
-                              decode_proc.address], tmp_path, "router")
-    stack = Stack([prefill_proc], [decode_proc], router)
+    stack = start_pd_on_gpus(tiny_v3_dir, tmp_path, "nixl", PREFILL_DEVICE, DECODE_DEVICE)
+    (prefill_proc,), (decode_proc,) = stack.prefill, stack.decode
     try:
-        check_against_reference(router.address, reference)
+        check_against_reference(stack.router.address, reference)
         assert metric(prefill_proc.metrics_port, "pdserve_kv_transfer_bytes_total", transport="nixl") > 0
         for proc in (prefill_proc, decode_proc):
             idle = wait_idle(proc)
