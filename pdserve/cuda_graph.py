@@ -223,6 +223,17 @@ class DecodeGraphRunner:
             graph.replay()
         self.replays += 1
 
+    def release(self) -> None:
+        """Destroy the captured graphs now (the runner has none afterwards). NOTE: NCCL frees a communicator only
+        once every graph that captured one of its collectives is destroyed (its shutdown waits for that), so a
+        tensor-parallel rank releases its graphs before its group; garbage collection alone may come too late."""
+        torch.cuda.synchronize(self.pool.kv.device)
+        for g in self.graphs.values():
+            for graph in (g.graph, g.chain):
+                if graph is not None:
+                    graph.reset()
+        self.graphs.clear()
+
     def bucket_for(self, num_rows: int, width: int, chain: bool = False) -> Optional[int]:
         """The bucket that replays num_rows rows with page tables `width` pages wide (and, with chain=True, has a
         draft chain); None when no captured graph fits."""

@@ -184,8 +184,10 @@ class LLMEngine:
             self.ranks.wait_ready()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (nothing to do in a single process)."""
+        """Stop the other tensor-parallel ranks, if any (nothing to do in a single process); the CUDA graphs go first,
+        as each rank's must before its group can (ModelRunner.release_graphs)."""
         if self.ranks is not None:
+            self.runner.release_graphs()
             self.ranks.close()
 
     # ---- requests ----------------------------------------------------------------------------------------------

@@ -83,6 +83,13 @@ class ModelRunner:
         self.mtp_graphs = mtp_graphs  # likewise for the MTP layer's rows (NextN drafting)
         self.staging = HostStaging(self.device)  # the steps' uploads (the engine's thread only)
 
+    def release_graphs(self) -> None:
+        """Destroy the captured graphs (DecodeGraphRunner.release); batches run eagerly from then on."""
+        for runner in (self.graphs, self.mtp_graphs):
+            if runner is not None:
+                runner.release()
+        self.graphs = self.mtp_graphs = None
+
     def execute(self, out: SchedulerOutput, layer_done: Optional[Callable[[int], None]] = None,
                 resolve_inputs: Optional[Callable[[torch.Tensor], None]] = None) -> ForwardOutput:
         """layer_done(layer) is called as each layer of the prefill forward has written its KV. resolve_inputs(ids)

@@ -1,6 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL): a TP2 engine, built as `pdserve generate --tp 2` builds it (the GPU's own
 kernels, CUDA graphs capturing the all-reduce), gives the single-GPU engine's greedy tokens: on the trained demo
-model identical in fp32 and on at least 15 of 16 prompts in bf16; on the V3 slice (real widths, block-FP8 dummy
+model identical in fp32 and in bf16 as close to fp32 as the single GPU's; on the V3 slice (real widths, block-FP8 dummy
 weights) identical in fp32, with each expert split (TP), with the experts split (EP) and with attention data-parallel
 over the requests (DP attention). (In bf16 the dummy weights' logits are too flat for a greedy token to survive
 another summation order, so the V3 slice is compared in fp32.) Every test is bounded: a collective that waits past
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
-TEST_LIMIT_S = 240  # each test well under it (two engines of the V3 slice included)
+TEST_LIMIT_S = float(os.environ.get("PDSERVE_TEST_LIMIT_S", 240))  # each test well under it (two V3 slice engines)
 
 
 @pytest.fixture(autouse=True)
@@ -71,13 +71,21 @@ def test_tp2_gives_the_single_gpu_tokens_in_fp32_on_the_trained_model(trained_mo
     assert tokens(str(trained_model_dir), 2, prompts, "--dtype", "float32", *extra) == want
 
 
-def test_tp2_gives_the_single_gpu_greedy_tokens_in_bf16_on_the_trained_model(trained_model_dir):
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_tp2_in_bf16_keeps_the_fp32_tokens_about_as_long_as_one_gpu_does(trained_model_dir):
+    """A bf16 greedy sequence leaves fp32's at the first step whose two best logits are closer than bf16's rounding;
+    TP2 rounds once more (each rank's partial sums, all-reduced in bf16), so it may leave on other prompts, but it
+    keeps about as many of the fp32 tokens in all as the single GPU does."""
     prompts = random_prompts(16, 1000)
-    want = tokens(str(trained_model_dir), 1, prompts, "--dtype", "bfloat16")
-    got = tokens(str(trained_model_dir), 2, prompts, "--dtype", "bfloat16")
-    same = sum(a == b for a, b in zip(got, want))
-    print(f"TP2 vs TP1, trained model, bf16: {same} of {len(prompts)} prompts identical")
-    assert same >= 15
+    exact = tokens(str(trained_model_dir), 1, prompts, "--dtype", "float32")
+    bf16 = {tp: tokens(str(trained_model_dir), tp, prompts, "--dtype", "bfloat16") for tp in (1, 2)}
+    kept = {tp: sum(map(common_prefix, got, exact)) for tp, got in bf16.items()}
+    print(f"bf16 tokens before the first departure from fp32, of {16 * GREEDY.max_new_tokens}: "
+          f"TP1 {kept[1]}, TP2 {kept[2]}; TP2 = TP1 on {sum(a == b for a, b in zip(bf16[1], bf16[2]))} of 16 prompts")
+    assert kept[2] >= 0.9 * kept[1]
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,10 @@ class TPGroup:
         return out
 
     def close(self) -> None:
-        """Release the process group (NCCL warns at exit about one never shut down); at rank 0's stop."""
+        """Release the process group (NCCL warns at exit about one never shut down); at each rank's stop, after its
+        last step has finished (nothing in flight)."""
         if self._group is not None:
-            self._group.shutdown()
+            self._group.shutdown()  # NCCL's waits for the graphs that captured its collectives to be destroyed
             self._group = None
 
     def __repr__(self) -> str:

@@ -190,8 +190,8 @@ class Ranks:
                 r.conn.send(None)
         group = getattr(self, "group", None)
         if group is not None and healthy:
-            # NOTE: NCCL's shutdown waits for the other ranks' (each shuts its group down as it stops): rank 0 shuts
-            # its own down now, beside theirs; once they were gone it would wait for them until a timeout.
+            # NOTE: rank 0 closes its group now, beside the ranks closing theirs as they stop, so that nothing of the
+            # group waits on a peer already gone.
             group.close()
         for r in self._ranks:
             try:

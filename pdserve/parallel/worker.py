@@ -79,6 +79,12 @@ class RankLoop:
             else:
                 self._forward(call)
 
+    def release_graphs(self) -> None:
+        """Before the group closes (DecodeGraphRunner.release says why)."""
+        for runner in self.graphs:
+            if runner is not None:
+                runner.release()
+
     def _forward(self, call: ForwardCall) -> None:
         batch, prev_hidden = receive_batch(self.tp, call, self.device, self.pool.page_size, self.cfg.hidden_size)
         if batch.dp_ranks is not None:  # DP attention: this rank's requests out of the whole step
@@ -119,6 +125,7 @@ def main(fd: int) -> None:
         loop = RankLoop(setup)
         conn.send("ready")
         loop.run(conn)
+        loop.release_graphs()
         loop.tp.close()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         print(f"pdserve: tensor-parallel rank {rank}: rank 0 (pid {setup.parent_pid}) is gone; exiting",
