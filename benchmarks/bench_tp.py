@@ -45,10 +45,13 @@ def sizes(args) -> dict:
 def engine_flags(args, model_dir: str) -> list[str]:
     s = sizes(args)
     longest = max(s["prefill"])
-    tokens = max(max(s["batches"]) * (s["ctx"] + s["steps"] + 8), longest + 64)
+    # Pages (16 tokens each) for every decoding request whole, each rounded up to whole pages plus one (the step
+    # ahead's): a pool short of that preempts requests and recomputes their prompts inside the timed steps.
+    per_request = -(-(s["ctx"] + s["steps"] + 8) // 16) + 1
+    pages = max(max(s["batches"]) * per_request, -(-(longest + 64) // 16)) + 16
     flags = ["--model", model_dir, "--max-num-batched-tokens", str(longest), "--max-model-len", str(longest + 64),
              "--max-running-requests", str(max(s["batches"])), "--no-prefix-cache",
-             "--num-pages", str(-(-tokens // 16) + 16), "--collective-timeout", "120"]
+             "--num-pages", str(pages), "--collective-timeout", "120"]
     if args.dry_run:
         return flags + ["--device", "cpu", "--dtype", "float32"]
     return flags + ["--device", "cuda", "--load-format", "dummy", "--cuda-graph-max-bs", str(max(s["batches"]))]
@@ -69,9 +72,10 @@ def _prompt(gen, n: int, vocab: int) -> list[int]:
     return torch.randint(10, vocab, (n,), generator=gen).tolist()
 
 
-def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int) -> float:
+def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int) -> tuple[float, dict]:
     """Mean wall ms per engine step once `batch` requests of `ctx`-token prompts all decode (overlap scheduling and
-    CUDA graphs as the engine runs them)."""
+    CUDA graphs as the engine runs them), and what those steps ran: the mean running requests and how many steps
+    began with a request waiting (preempted for pages: its prompt recomputed inside the timed steps)."""
     from pdserve.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
@@ -82,8 +86,11 @@ def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int) -> float:
         for o in engine.step():
             got[o.request_id] += len(o.new_token_ids)
     _sync(engine.config.device)
+    running = waiting = 0
     start = time.perf_counter()
     for _ in range(steps):
+        running += len(engine.scheduler.running)
+        waiting += bool(engine.scheduler.waiting)
         engine.step()
     _sync(engine.config.device)
     took = (time.perf_counter() - start) / steps
@@ -91,7 +98,7 @@ def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int) -> float:
         engine.abort(i)
     while engine.has_unfinished:
         engine.step()
-    return took * 1e3
+    return took * 1e3, dict(mean_running=running / steps, steps_with_waiting=waiting)
 
 
 def prefill_tok_s(engine, gen, n: int, repeats: int) -> float:
@@ -151,9 +158,11 @@ def run_one(args, name: str) -> dict:
         gen = torch.Generator().manual_seed(0)
         out["decode_ms"] = {}
         for b in s["batches"]:
-            out["decode_ms"][str(b)] = decode_step_ms(engine, gen, b, s["ctx"], s["steps"])
+            out["decode_ms"][str(b)], ran = decode_step_ms(engine, gen, b, s["ctx"], s["steps"])
+            out.setdefault("decode_ran", {})[str(b)] = ran
             print(f"[{name}] decode batch {b:4d} (ctx {s['ctx']}): {out['decode_ms'][str(b)]:8.3f} ms/step, "
-                  f"{b / out['decode_ms'][str(b)] * 1e3:9.1f} tok/s", flush=True)
+                  f"{b / out['decode_ms'][str(b)] * 1e3:9.1f} tok/s (running {ran['mean_running']:.1f} on average, "
+                  f"{ran['steps_with_waiting']} of {s['steps']} steps with a request waiting)", flush=True)
         out["prefill_tok_s"] = {}
         for n in s["prefill"]:
             out["prefill_tok_s"][str(n)] = prefill_tok_s(engine, gen, n, s["repeats"])

@@ -207,9 +207,12 @@ def run_one(args, part: str) -> dict:
             return out
         out["decode_ms"] = {}
         for b in s["batches"]:
-            ms = out["decode_ms"][str(b)] = bench_tp.decode_step_ms(engine, gen, b, s["ctx"], s["steps"])
-            print(f"{tag} decode batch {b:4d} (ctx {s['ctx']}): {ms:8.3f} ms/step, {b / ms * 1e3:9.1f} tok/s",
-                  flush=True)
+            ms, ran = bench_tp.decode_step_ms(engine, gen, b, s["ctx"], s["steps"])
+            out["decode_ms"][str(b)] = ms
+            out.setdefault("decode_ran", {})[str(b)] = ran
+            print(f"{tag} decode batch {b:4d} (ctx {s['ctx']}): {ms:8.3f} ms/step, {b / ms * 1e3:9.1f} tok/s "
+                  f"(running {ran['mean_running']:.1f} on average, {ran['steps_with_waiting']} of {s['steps']} steps "
+                  "with a request waiting)", flush=True)
         out["prefill_tok_s"] = {}
         for n_tok in s["prefill"]:
             rate = out["prefill_tok_s"][str(n_tok)] = bench_tp.prefill_tok_s(engine, gen, n_tok, s["repeats"])
