@@ -72,7 +72,28 @@ def _prompt(gen, n: int, vocab: int) -> list[int]:
     return torch.randint(10, vocab, (n,), generator=gen).tolist()
 
 
-def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int) -> tuple[float, dict]:
+def profile_steps(engine, steps: int) -> dict:
+    """`steps` more engine steps under torch.profiler, rank 0's view (its collectives include waiting for the other
+    ranks): time per step (the device's on GPUs, the host's self time on the CPU), the share in the collectives'
+    kernels (NCCL; Gloo on the CPU) and the busiest operations."""
+    import torch
+
+    cuda = engine.config.device.startswith("cuda")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(engine.config.device)
+    field = "self_device_time_total" if cuda else "self_cpu_time_total"
+    us = {e.key: getattr(e, field, 0) for e in prof.key_averages()}
+    total = sum(us.values()) or 1
+    collective = sum(t for key, t in us.items() if "nccl" in key.lower() or "gloo" in key.lower())
+    top = sorted(us.items(), key=lambda kv: -kv[1])[:12]
+    return dict(ms_per_step=total / steps / 1e3, clock="device" if cuda else "host", collective_share=collective / total,
+                top=[(key[:90], round(t / steps / 1e3, 4)) for key, t in top])
+
+
+def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int, profile: bool = False) -> tuple[float, dict]:
     """Mean wall ms per engine step once `batch` requests of `ctx`-token prompts all decode (overlap scheduling and
     CUDA graphs as the engine runs them), and what those steps ran: the mean running requests and how many steps
     began with a request waiting (preempted for pages: its prompt recomputed inside the timed steps)."""
@@ -94,11 +115,14 @@ def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int) -> tuple[float
         engine.step()
     _sync(engine.config.device)
     took = (time.perf_counter() - start) / steps
+    ran = dict(mean_running=running / steps, steps_with_waiting=waiting)
+    if profile:
+        ran["profile"] = profile_steps(engine, min(steps, 8))  # (their requests still have tokens to make)
     for i in ids:
         engine.abort(i)
     while engine.has_unfinished:
         engine.step()
-    return took * 1e3, dict(mean_running=running / steps, steps_with_waiting=waiting)
+    return took * 1e3, ran
 
 
 def prefill_tok_s(engine, gen, n: int, repeats: int) -> float:
@@ -158,11 +182,17 @@ def run_one(args, name: str) -> dict:
         gen = torch.Generator().manual_seed(0)
         out["decode_ms"] = {}
         for b in s["batches"]:
-            out["decode_ms"][str(b)], ran = decode_step_ms(engine, gen, b, s["ctx"], s["steps"])
+            out["decode_ms"][str(b)], ran = decode_step_ms(engine, gen, b, s["ctx"], s["steps"], args.profile)
             out.setdefault("decode_ran", {})[str(b)] = ran
             print(f"[{name}] decode batch {b:4d} (ctx {s['ctx']}): {out['decode_ms'][str(b)]:8.3f} ms/step, "
                   f"{b / out['decode_ms'][str(b)] * 1e3:9.1f} tok/s (running {ran['mean_running']:.1f} on average, "
                   f"{ran['steps_with_waiting']} of {s['steps']} steps with a request waiting)", flush=True)
+            if "profile" in ran:
+                prof = ran["profile"]
+                print(f"[{name}] batch {b} profiled: {prof['ms_per_step']:.3f} ms of {prof['clock']} time per step, "
+                      f"{100 * prof['collective_share']:.0f}% in the collectives; busiest (ms per step):", flush=True)
+                for key, ms in prof["top"]:
+                    print(f"[{name}]     {ms:8.4f}  {key}", flush=True)
         out["prefill_tok_s"] = {}
         for n in s["prefill"]:
             out["prefill_tok_s"][str(n)] = prefill_tok_s(engine, gen, n, s["repeats"])
@@ -297,6 +327,9 @@ def main() -> None:
     p.add_argument("--mem-fraction", type=float, default=0.85, help="of each GPU's memory for weights + KV")
     p.add_argument("--big-layers", type=int, default=16, help="layers of the configuration one GPU cannot hold")
     p.add_argument("--skip-big", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="after each batch's timed steps, profile a few more (rank 0): device time per step, the "
+                        "share in NCCL kernels, the busiest operations")
     p.add_argument("--config-timeout", type=float, default=150, help="seconds per configuration's process")
     p.add_argument("--big-timeout", type=float, default=240)
     p.add_argument("--time-budget-s", type=float, default=None,

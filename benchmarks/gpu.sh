@@ -320,7 +320,7 @@ suite_kv() {  # two GPUs: kv.log, kv_nccl.json, kv_cuda_ipc.json, kv_nixl.json
 suite_tp() {  # two GPUs: tp.log, tp.json, tp.md (and the generated V3 configs)
   local d=$1
   shift
-  step 540 python3 benchmarks/bench_tp.py --out "$d" --time-budget-s 520 "$@"
+  step 540 python3 benchmarks/bench_tp.py --out "$d" --time-budget-s 520 --profile "$@"
 }
 
 suite_v3_8gpu() {  # eight GPUs: v3-8gpu.log, v3_8gpu.json, v3_8gpu.md, part_<name>.json, pd/ (bench_serving.py's)

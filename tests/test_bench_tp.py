@@ -13,14 +13,18 @@ from stack import REPO
 
 def test_bench_tp_dry_run_measures_every_configuration(tmp_path):
     out = tmp_path / "tp"
-    proc = subprocess.run([sys.executable, "benchmarks/bench_tp.py", "--out", str(out), "--dry-run"], cwd=REPO,
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_tp.py", "--out", str(out), "--dry-run", "--profile"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "tp.json").read_text())
     for name in ("tp1", "tp2", "tp2-dp", "ep2"):
         r = result[name]
         assert list(r["decode_ms"]) == ["1", "2", "4"] and all(v > 0 for v in r["decode_ms"].values()), r
         assert list(r["prefill_tok_s"]) == ["32", "64"] and all(v > 0 for v in r["prefill_tok_s"].values()), r
+        # what the timed steps ran: every request decoding, none preempted (the pool holds them all)
+        assert all(ran["mean_running"] == int(b) and ran["steps_with_waiting"] == 0
+                   for b, ran in r["decode_ran"].items()), r["decode_ran"]
+        assert all(ran["profile"]["ms_per_step"] > 0 and ran["profile"]["top"] for ran in r["decode_ran"].values())
     # DP attention: a pool per rank, each of the budget left after that rank's weights (MLA whole on every rank)
     dp, tp2 = result["tp2-dp"]["kv"], result["tp2"]["kv"]
     assert dp["pools"] == 2 and tp2["pools"] == 1 and dp["tokens"] == 2 * dp["tokens_per_rank"]
