@@ -38,12 +38,12 @@ def load(folder: str) -> dict[str, dict[str, int]]:
     return requests
 
 
-def report(requests: dict[str, dict[str, int]]) -> list[dict]:
-    """One row per event, in order of its median offset: offset from router.recv (median and max) and gap from the
+def report(requests: dict[str, dict[str, int]], origin: str = "router.recv") -> list[dict]:
+    """One row per event, in order of its median offset: offset from `origin` (median and max) and gap from the
     row before, ms."""
     offsets: dict[str, list[float]] = defaultdict(list)
     for events in requests.values():
-        start = events.get("router.recv")
+        start = events.get(origin)
         if start is None:
             continue
         for event, t in events.items():
@@ -122,13 +122,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", help="the PDSERVE_TRACE folder")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--origin", default="router.recv",
+                   help="the point each id is timed from (kv.send: the KV rooms' points, under room<N> ids, from "
+                        "their rows' hand-over; e.g. PDSERVE_TRACE over bench_kv_transfer.py)")
     args = p.parse_args()
     requests = load(args.folder)
-    rows = report(requests)
-    timed = sum(1 for e in requests.values() if "router.recv" in e)
-    print(f"{timed} requests timed from router.recv ({len(requests)} ids seen) in {args.folder}")
-    print(f"{'point':28s} {'requests':>8s} {'since router.recv':>18s} {'since the point before':>24s} "
-          f"{'slowest request':>16s}")
+    rows = report(requests, args.origin)
+    timed = sum(1 for e in requests.values() if args.origin in e)
+    print(f"{timed} ids timed from {args.origin} ({len(requests)} ids seen) in {args.folder}")
+    print(f"{'point':28s} {'ids':>8s} {'since ' + args.origin:>18s} {'since the point before':>24s} "
+          f"{'slowest':>16s}")
     for r in rows:
         print(f"{r['event']:28s} {r['requests']:8d} {r['median_ms']:15.2f} ms {r['gap_ms']:21.2f} ms "
               f"{r['max_ms']:13.2f} ms")

@@ -63,6 +63,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def room_key(room: object) -> str:
+    """A room's name in PDSERVE_TRACE's timeline (pdserve.common.trace): both sides mark its points under it."""
+    return f"room{room}"
+
+
 class TransferState(enum.IntEnum):
     BOOTSTRAPPING = 0  # sender: connecting / handshaking
     WAITING_FOR_DEST = 1  # receiver: pages reserved, nothing arrived yet

@@ -22,9 +22,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from pdserve.common.trace import mark
+
 from .base import (
     KVLayout, KVReceiver, KVTransferError, OnDone, OnFailed, OnLayer, TransferState, TransferStatus,
-    dtype_from_name, token_slots,
+    dtype_from_name, room_key, token_slots,
 )
 from .plane import ReceivePlane
 from .wire import (
@@ -256,6 +258,7 @@ class KVReceiverChannel(KVReceiver):
         del self.rooms[r.room]
         self._remember_locked(r.room, "protocol", f"room {r.room} already completed")
         self.reply(r.conn, {"kind": ROOM_DONE, "room": r.room})
+        mark("kv.landed", room_key(r.room))
         self._call(self._on_done, r.room, r.aux)
 
     def drop_locked(self, r: Room, kind: str, message: str, notify: bool = True, callback: bool = True) -> None:
@@ -442,6 +445,7 @@ class KVReceiverChannel(KVReceiver):
                 if frame is None:
                     break
                 header, payload = frame
+                mark(f"kv.recv_{str(header['kind']).lower()}", room_key(header.get("room")))
                 if header["kind"] not in (AUX, ABORT) and header["kind"] not in conn.plane.frames:
                     raise ProtocolError(f"unexpected {header['kind']} frame")
                 with self.answering():

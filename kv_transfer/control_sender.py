@@ -16,9 +16,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from pdserve.common.trace import mark
+
 from .base import (
     ERROR_KINDS, KVLayout, KVSender, KVTransferError, SendHandle, TransferState, TransferStats, TransferStatus,
-    dtype_name,
+    dtype_name, room_key,
 )
 from .plane import PairAgain, SendPairing, SendPlane
 from .wire import (
@@ -110,6 +112,7 @@ class Connection:
                 try:
                     if kind in (AUX, ABORT):
                         self.plane.drain(handle)  # each tells the decode worker that nothing more lands
+                        mark("kv.drained", room_key(handle.room))
                     if callable(frame):  # rows still on their way (a device copy, a grant)
                         frame = frame()
                 except RuntimeError as e:  # a CUDA error: this room's rows cannot be read
@@ -119,6 +122,8 @@ class Connection:
                     continue
             if not self.write_now(frame):
                 return
+            if kind == AUX:
+                mark("kv.aux_written", room_key(handle.room))
             if post is None:
                 continue
             try:
@@ -141,6 +146,7 @@ class Connection:
                 if handle is None:
                     continue  # the room already finished here (aborted or timed out locally)
                 if header["kind"] == ROOM_DONE:
+                    mark("kv.done_read", room_key(handle.room))
                     handle._complete()
                 else:
                     kind = header.get("error_kind")
@@ -194,8 +200,10 @@ class RoomHandle(SendHandle):
         self.num_tokens = self._check_rows(layers, source, slots, dims)
         self._layers.update(layers)
         self._t_rows = self._t_rows or time.monotonic()
+        mark("kv.send", room_key(self.room))  # (a trace keeps each point's first time: the first send's)
         if self.status.state != TransferState.FAILED:
             self._conn.plane.send(self, layers, source, slots)
+        mark("kv.send_returned", room_key(self.room))
 
     def _check_rows(self, layers: list[int], source: torch.Tensor, slots: torch.Tensor | None, dims: int) -> int:
         """Argument mistakes raise ValueError before anything is queued; returns the token count. `dims` 2: one
@@ -251,11 +259,13 @@ class RoomHandle(SendHandle):
         if self.status.state != TransferState.FAILED:
             self._conn.put(self, AUX, header, *payload)
         self._finished = True
+        mark("kv.finish_returned", room_key(self.room))
 
     def wait(self, timeout: float | None = None) -> TransferStats:
         limit = self.deadline - time.monotonic() if timeout is None else timeout
         if not self._event.wait(max(0.0, limit)):
             self._expire(self.timeout_s if timeout is None else timeout)
+        mark("kv.wait_returned", room_key(self.room))
         error = self.status.exception()
         if error is not None:
             raise error

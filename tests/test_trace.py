@@ -88,6 +88,18 @@ def test_a_traced_stack_records_every_point_of_every_request_in_order(tiny_v3_di
             assert events[event] >= events[before], (rid, event, before)
         # The first token goes out with whichever came first.
         assert events["router.first_out"] >= min(events["router.prefill_answer"], events["router.decode_first"])
+    # Each KV room (the requests' and the stack's own warm-up's), under its own id: the prefill side's points and
+    # the decode side's, in order.
+    rooms = {rid: ev for rid, ev in load(str(folder)).items() if rid.startswith("room")}
+    assert len(rooms) >= 3, sorted(rooms)
+    for rid, events in rooms.items():
+        order = ["kv.send", "kv.send_returned", "kv.finish_returned", "kv.drained", "kv.aux_written", "kv.recv_aux",
+                 "kv.landed", "kv.done_read"]
+        assert set(order) <= set(events), (rid, sorted(events))
+        times = [events[e] for e in order[3:]]
+        assert times == sorted(times) and events["kv.send"] <= events["kv.send_returned"] <= events["kv.drained"], (
+            rid, sorted(events.items(), key=lambda kv: kv[1]))
+    assert report(rooms, origin="kv.send")[0]["event"] == "kv.send"
     rows = report(requests)
     assert rows[0]["event"] == "router.recv" and rows[0]["median_ms"] == rows[0]["max_ms"] == 0
     assert all(r["median_ms"] <= r["max_ms"] for r in rows)
