@@ -179,15 +179,16 @@ class LLMEngine:
                                      spec.num_steps if spec.enabled else 0, sched.max_model_len, progress)
         driver = Driver(self.model, self.ranks, config.parallel.dp_size) if self.ranks is not None else None
         self.runner = ModelRunner(self.model, self.pool, config.device, *graphs, driver=driver)
+        if self.ranks is not None:
+            self.ranks.first_release(self.runner.release_graphs)
         self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
         if self.ranks is not None:
             self.ranks.wait_ready()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (nothing to do in a single process); the CUDA graphs go first,
-        as each rank's must before its group can (ModelRunner.release_graphs)."""
+        """Stop the other tensor-parallel ranks, if any (nothing to do in a single process; without close() they
+        stop at exit)."""
         if self.ranks is not None:
-            self.runner.release_graphs()
             self.ranks.close()
 
     # ---- requests ----------------------------------------------------------------------------------------------

@@ -90,6 +90,8 @@ class Ranks:
         self._out_of_step: Optional[str] = None  # why, once a step failed with every rank running
         self._lock = threading.Lock()
         self._ranks: list[_Rank] = []
+        # What must go before rank 0's group can: its CUDA graphs (see `first_release`)
+        self._releases: list[Callable[[], None]] = []
         store = store_for(0, self.size, 0, START_TIMEOUT_S)
         atexit.register(self.close)
         try:
@@ -175,6 +177,11 @@ class Ranks:
         self.progress(f"tensor-parallel ranks ready: {self.size} ({', '.join(r.device for r in self._ranks)} "
                       "beside rank 0)")
 
+    def first_release(self, release: Callable[[], None]) -> None:
+        """Have close() call `release` before it closes the group, at exit too: rank 0's CUDA graphs
+        (pdserve.cuda_graph.DecodeGraphRunner.release says why they must go first)."""
+        self._releases.append(release)
+
     def close(self) -> None:
         """Stop the other ranks (idempotent; also at exit)."""
         if self._closing.is_set():
@@ -182,6 +189,12 @@ class Ranks:
         with self._lock:
             self._closing.set()
         atexit.unregister(self.close)
+        for release in self._releases:
+            try:
+                release()
+            except RuntimeError as e:  # a broken device: the group's close below is all that is left to try
+                print(f"pdserve: stopping the tensor-parallel ranks: releasing rank 0's CUDA graphs failed: {e}",
+                      file=sys.stderr, flush=True)
         healthy = not self._failed.is_set() and self._out_of_step is None
         for r in self._ranks:
             if not healthy:
