@@ -189,13 +189,14 @@ class Ranks:
         with self._lock:
             self._closing.set()
         atexit.unregister(self.close)
-        for release in self._releases:
+        healthy = not self._failed.is_set() and self._out_of_step is None
+        # (Not after a failure: a graph's release waits for the device, where a collective may wait for a dead rank.)
+        for release in self._releases if healthy else ():
             try:
                 release()
             except RuntimeError as e:  # a broken device: the group's close below is all that is left to try
                 print(f"pdserve: stopping the tensor-parallel ranks: releasing rank 0's CUDA graphs failed: {e}",
                       file=sys.stderr, flush=True)
-        healthy = not self._failed.is_set() and self._out_of_step is None
         for r in self._ranks:
             if not healthy:
                 r.process.kill()  # mid-step, hung or gone: no stop message would be read
