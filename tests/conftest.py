@@ -32,6 +32,16 @@ def pytest_collection_finish(session) -> None:
         os.environ["TRITON_INTERPRET"] = _TRITON_INTERPRET_AT_START
 
 
+def pytest_configure(config) -> None:
+    """One torch thread in the test process. The tiny models' kernels take microseconds: intra-op threads only add
+    synchronisation, and while the workers a test started (or any other job) hold the cores, each op of a thread pool
+    sized to every core waits for a thread that is not running, ten times slower and worse. The processes the tests
+    start take their share the same way (stack.spawn; `pdserve up` gives its workers theirs)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _interpreter_modules_keep_it(request, monkeypatch):
     """...but the tests of the modules that entered interpreter mode keep it (a kernel module one of them imports

@@ -37,16 +37,6 @@ PROMPTS = ["The router sends each request to a prefill worker",
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # NOTE: the tiny models' kernels are a few microseconds each; intra-op threads only add synchronisation, which
-    # costs 10x and more when other jobs share the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_mtp_friendly_model(src, dst, scale: float = 200.0) -> str:
     """The tiny model with its token embedding scaled up, so each position's hidden state is dominated by its own
     token's embedding (attention and experts still shift it, and decide many tokens), and an MTP layer whose

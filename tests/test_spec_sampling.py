@@ -34,14 +34,6 @@ from pdserve.tiny_model import export_hf_state_dict, tiny_config_dict
 from pdserve.weights import build_model, init_dummy_weights
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # NOTE: tiny kernels: intra-op threads only add synchronisation (10x slower when other jobs share the cores).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 Z_999 = 3.0902  # standard normal upper 0.1% point
 
 

@@ -6,7 +6,6 @@ attention data-parallel over the requests (DP attention); prompts are batched, c
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.config import ParallelConfig
 from pdserve.engine import EngineConfig, LLMEngine
@@ -23,15 +22,6 @@ GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 # budget (chunked prefill).
 SHARED = [list(range(40, 70)) + [3, 4, 5], list(range(40, 70)) + [9]]
 ID_PROMPTS = SHARED + [list(range(200, 260)), [7]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread_per_rank():
-    """Two ranks on this 2-core machine: one thread each (the other rank runs its own)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def engine(model_dir, tp: int, ep: int = 1, dp_attention: bool = False, **kw) -> LLMEngine:

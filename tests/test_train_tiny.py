@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kv_cache import CacheConfig
@@ -21,19 +20,13 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny kernels: threads only add synchronisation on shared cores
     spec = importlib.util.spec_from_file_location("train_tiny", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path_factory.mktemp("trained") / "model"
-    try:
-        assert script.main(["--out", str(out), "--device", "cpu", "--steps", "20", "--batch-size", "4",
-                            "--seq-len", "64", "--max-chars", "300000", "--eval-batches", "2",
-                            "--check-prompts", "2"]) == 0
-        yield out
-    finally:
-        torch.set_num_threads(n)
+    assert script.main(["--out", str(out), "--device", "cpu", "--steps", "20", "--batch-size", "4",
+                        "--seq-len", "64", "--max-chars", "300000", "--eval-batches", "2", "--check-prompts", "2"]) == 0
+    return out
 
 
 def test_checkpoint_files_and_metrics(trained):
