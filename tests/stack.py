@@ -85,8 +85,11 @@ def spawn(role: str, args: list[str], log_dir: Path, name: str, env: Optional[di
     port, mport = free_port(), free_port()
     log_path = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--metrics-port", str(mport), *args]
+    # One torch thread each unless the environment says otherwise: the processes of a stack and the test process
+    # share the cores, and thread pools sized to every core spin against each other (as conftest's one thread, and
+    # the share `pdserve up` hands its workers).
     popen = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                             env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     return Proc(role, f"127.0.0.1:{port}", popen, mport, log_path)
 
 
