@@ -13,7 +13,7 @@ import pytest
 
 from stack import load, start_stack, wait_idle
 from test_faults import one, requests_finished
-from test_serving_redis import counters
+from test_serving_redis import counters, wait_until
 
 pytestmark = pytest.mark.slow
 # The router's defaults: 2 missed checks of 1 s, 1 s apart (HealthConfig.frozen_detect_s = 4 s).
@@ -27,6 +27,7 @@ def test_frozen_decode_worker_fails_over_and_rejoins(tiny_v3_dir, tmp_path):
     try:
         address, victim, survivor = stack.router.address, stack.decode[0], stack.decode[1]
         results: list[tuple[float, float, str, int]] = []  # (start, end, status, tokens)
+        last_start = [0.0] * 8  # per client, when its last finished request started
         stop = threading.Event()
 
         def client(i: int) -> None:
@@ -35,6 +36,7 @@ def test_frozen_decode_worker_fails_over_and_rejoins(tiny_v3_dir, tmp_path):
                 start = time.monotonic()
                 status, tokens, seconds = one(address, [10 + i, 11 + n % 50, 12, 13], 150, timeout=NO_DEADLINE)
                 results.append((start, start + seconds, status, tokens))
+                last_start[i] = start
                 n += 1
 
         with ThreadPoolExecutor(8) as pool:
@@ -46,10 +48,13 @@ def test_frozen_decode_worker_fails_over_and_rejoins(tiny_v3_dir, tmp_path):
             victim.popen.send_signal(signal.SIGSTOP)
             frozen_at = time.monotonic()
             try:
-                # Then the survivor alone serves for a while: long enough for a whole round of the 8 clients'
-                # requests (they run in lockstep waves of ~2.3 s on two CPU cores) to start and end inside it,
-                # whatever the waves' phase (4 s missed every wave about one run in three).
-                time.sleep(DETECT_S + MARGIN_S + 8.0)
+                # Then the survivor alone serves until a whole round of the 8 clients' requests started after the
+                # failover and ended, whatever the phase of their waves: every request held at SIGSTOP has ended.
+                failed_over = frozen_at + DETECT_S + MARGIN_S
+                deadline = failed_over + 60
+                while min(last_start) <= failed_over:
+                    assert time.monotonic() < deadline, "the survivor did not serve a round of requests"
+                    time.sleep(0.1)
             finally:
                 victim.popen.send_signal(signal.SIGCONT)
             resumed_at = time.monotonic()
@@ -100,7 +105,8 @@ def test_a_request_waits_for_a_worker_to_be_back_within_its_deadline(tiny_v3_dir
         assert one(stack.router.address, [5, 6, 7], 4)[0] == "OK"
         decode.popen.send_signal(signal.SIGSTOP)
         try:
-            time.sleep(DETECT_S + 1.0)  # out of routing by now
+            wait_until(lambda: counters(stack.router, "pdserve_workers_down_total", "reason").get("missed_checks"),
+                       DETECT_S + MARGIN_S, "the frozen decode worker to leave routing")
             with ThreadPoolExecutor(1) as pool:
                 waiting = pool.submit(one, stack.router.address, [5, 6, 7, 8], 4, 30.0)
                 time.sleep(1.5)
