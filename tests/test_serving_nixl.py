@@ -37,8 +37,10 @@ def nixl_up(trained_model_dir, tmp_path_factory):
         while "pdserve is up" not in log.read_text():
             assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        workers = [Proc(role, address, up, int(metrics), log) for role, address, metrics in re.findall(
-            r"(prefill|decode) worker \S+ serving on (\S+?),.* metrics on :(\d+)", log.read_text())]
+        # (the two workers start side by side: either may log first)
+        workers = sorted((Proc(role, address, up, int(metrics), log) for role, address, metrics in re.findall(
+            r"(prefill|decode) worker \S+ serving on (\S+?),.* metrics on :(\d+)", log.read_text())),
+            key=lambda w: w.role != "prefill")
         assert [w.role for w in workers] == ["prefill", "decode"], log.read_text()[-3000:]
         yield f"127.0.0.1:{port}", workers, log
     finally:
