@@ -14,15 +14,22 @@ from stack import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
-    out = tmp_path / "serving"
+@pytest.fixture(scope="module")
+def two_repeats(tmp_path_factory):
+    """One run of the benchmark read by the two tests below: the stack and the engine at c=1 and 2, prompts only,
+    --explain-ttft, and a second repeat over a fresh stack (--repeats 2) -> (its folder, serving.json)."""
+    out = tmp_path_factory.mktemp("bench-serving") / "serving"
     proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--out", str(out), "--device", "cpu",
                            "--models", "demo", "--concurrency", "1", "2", "--num-prompts", "4",
                            "--demo-input-len", "16", "--demo-output-len", "4", "--prompts-only-concurrency", "2",
-                           "--explain-ttft", "--hop-calls", "3"],
+                           "--explain-ttft", "--hop-calls", "3", "--repeats", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "serving.json").read_text())
+    return out, json.loads((out / "serving.json").read_text())
+
+
+def test_bench_serving_runs_the_stack_and_the_engine(two_repeats):
+    out, result = two_repeats
     demo = result["models"]["demo"]
     assert [r["concurrency"] for r in demo["stack"]["runs"]] == [1, 2]
     assert all(r["completed"] == 4 and r["failed"] == 0 for r in demo["stack"]["runs"])
@@ -66,7 +73,7 @@ def test_bench_serving_runs_the_stack_and_the_engine(tmp_path):
     assert all(h[kind]["one_way_ms"] > 0 for h in (busy, idle) for kind in ("unary", "stream"))
     assert "Where the concurrency-1 TTFT goes" in md and "A bare gRPC message between two processes, one way" in md
     assert "after 2 ms idle" in md and "after 110 ms idle" in md
-    assert sorted(f.name for f in out.iterdir()) == ["demo_up.log", "serving.json", "serving.md"]
+    assert sorted(f.name for f in out.iterdir()) == ["demo_up.log", "demo_up_r2.log", "serving.json", "serving.md"]
 
 
 def test_with_nextn_the_stacks_tpot_is_held_against_the_engines_tpot():
@@ -171,34 +178,29 @@ def test_a_missed_ttft_target_says_where_the_time_went_and_what_the_hops_cost():
     assert untraced["ttft_client_hops_ms"] is None
 
 
-def test_repeats_give_each_ratio_over_fresh_stacks_and_judge_the_targets_on_the_medians(tmp_path):
+def test_repeats_give_each_ratio_over_fresh_stacks_and_judge_the_targets_on_the_medians(two_repeats):
     """--repeats 2: a second fresh stack and a second engine run; per row each ratio's median over the two pairs (each
     repeat's stack against its own engine run), the failures summed, and the targets held to those medians."""
-    out = tmp_path / "serving"
-    proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--out", str(out), "--device", "cpu",
-                           "--models", "demo", "--concurrency", "1", "--num-prompts", "3", "--demo-input-len", "16",
-                           "--demo-output-len", "4", "--prompts-only-concurrency", "0", "--repeats", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "serving.json").read_text())
+    out, result = two_repeats
     demo = result["models"]["demo"]
     (second,) = demo["more_repeats"]
-    assert second["stack"]["up_s"] > 0 and second["stack"]["runs"][0]["completed"] == 3
-    assert second["engine"]["batches"][0]["prompts"] == 3
+    assert second["stack"]["up_s"] > 0 and second["stack"]["runs"][0]["completed"] == 4
+    assert second["engine"]["batches"][0]["prompts"] == 4
     sys.path.insert(0, str(REPO / "benchmarks"))
     from serving_report import rows_of
 
-    pairs = [rows_of("demo", e["stack"], e["engine"])[0] for e in (demo, second)]
-    (row,) = result["median_rows"]
-    assert row["repeats"] == 2 and row["failed"] == 0 and row["prompts"] == 6
-    for key in ("out_tok_s_ratio", "tpot_ratio", "ttft_less_transfer_ratio"):
-        assert row["spread"][key] == [p[key] for p in pairs]
-        assert row[key] == pytest.approx((pairs[0][key] + pairs[1][key]) / 2)  # the median of two
-    assert [r["concurrency"] for r in result["rows"]] == [1]  # the main table: the first repeat's
+    pairs = [rows_of("demo", e["stack"], e["engine"]) for e in (demo, second)]
+    assert [r["concurrency"] for r in result["median_rows"]] == [1, 2]
+    for i, row in enumerate(result["median_rows"]):
+        assert row["repeats"] == 2 and row["failed"] == 0 and row["prompts"] == 8
+        for key in ("out_tok_s_ratio", "tpot_ratio", "ttft_less_transfer_ratio"):
+            assert row["spread"][key] == [p[i][key] for p in pairs]
+            assert row[key] == pytest.approx((pairs[0][i][key] + pairs[1][i][key]) / 2)  # the median of two
+    assert [r["concurrency"] for r in result["rows"]] == [1, 2]  # the main table: the first repeat's
     md = (out / "serving.md").read_text()
-    assert "Over the repeats" in md and "| demo | 1 | 2 | 0/6 |" in md and "judged on the medians over 2 repeats" in md
+    assert "Over the repeats" in md and "| demo | 1 | 2 | 0/8 |" in md and "judged on the medians over 2 repeats" in md
+    row = result["median_rows"][0]
     assert f"TPOT at c=1 / engine decode step (demo): {row['tpot_ratio']:.2f}" in md
-    assert sorted(f.name for f in out.iterdir()) == ["demo_up.log", "demo_up_r2.log", "serving.json", "serving.md"]
 
 
 def test_median_rows_take_each_repeats_own_ratio_and_sum_failures():
