@@ -317,6 +317,16 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write_results(out: str, stem: str, results: dict, text: str) -> None:
+    """Print the table `text`; write it to OUT/STEM.md and the results behind it to OUT/STEM.json."""
+    print(text)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(text + "\n")
+    print(f"wrote {os.path.join(out, stem + '.json')} and {stem}.md")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for tp.json, tp.md and the generated configs")
@@ -387,13 +397,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             print(f"[big] TIMED OUT after {args.big_timeout:.0f} s", flush=True)
             results["big"] = {"exit": "timed out", "weights_gb": None}
-    text = table(results)
-    print(text)
-    with open(os.path.join(args.out, "tp.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(args.out, "tp.md"), "w") as f:
-        f.write(text + "\n")
-    print(f"wrote {os.path.join(args.out, 'tp.json')} and tp.md")
+    write_results(args.out, "tp", results, table(results))
     if any("error" in r for r in results.values() if isinstance(r, dict)):
         sys.exit(1)
 

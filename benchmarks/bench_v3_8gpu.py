@@ -531,13 +531,7 @@ def child(args, part: str, deadline: float) -> dict:
 
 
 def finish(args, results: dict, n: int) -> None:
-    text = table(results, n)
-    print(text)
-    with open(os.path.join(args.out, "v3_8gpu.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(args.out, "v3_8gpu.md"), "w") as f:
-        f.write(text + "\n")
-    print(f"wrote {os.path.join(args.out, 'v3_8gpu.json')} and v3_8gpu.md")
+    bench_tp.write_results(args.out, "v3_8gpu", results, table(results, n))
 
 
 if __name__ == "__main__":
