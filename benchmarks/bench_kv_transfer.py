@@ -83,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-chunks", type=int, nargs="+", default=[pages.MAX_CHUNKS],
                    help="two GPUs: the senders' cap on the runs of layers a send is cut into (pages.MAX_CHUNKS; 1: "
                         "every send crosses whole); each value measures every case again (default: pdserve's)")
+    p.add_argument("--paired", action="store_true",
+                   help="cuda_ipc/tcp with both sides on one GPU: the two-GPU table's pair of processes (whole rooms "
+                        "timed against a copy of the same bytes) instead of the per-layer-set one; on one GPU the "
+                        "copy is nearly free, so what a room costs beyond it shows")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler's busiest device operations of each case's measured rooms")
     p.add_argument("--iters", type=int, default=10)
@@ -512,7 +516,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.role == "decode":
         decode_main(args)
-    elif args.backend in ("cuda_ipc", "tcp") and args.decode_device == args.prefill_device:
+    elif args.backend in ("cuda_ipc", "tcp") and args.decode_device == args.prefill_device and not args.paired:
         same_gpu_main(args)
     else:
         prefill_main(args)
