@@ -168,16 +168,19 @@ class DecodeWorker:
         self._update_gauges()
 
     def load(self) -> pb.WorkerLoad:
-        sched, alloc = self.core.scheduler, self.core.pool.allocator
+        sched = self.core.scheduler
+        allocators = [c.allocator for c in sched.caches]  # every DP rank's pool (one without DP attention)
         return pb.WorkerLoad(num_running_requests=len(sched.running), num_waiting_requests=len(sched.waiting),
-                             num_free_pages=alloc.num_free, num_total_pages=alloc.num_pages,
+                             num_free_pages=sum(a.num_free for a in allocators),
+                             num_total_pages=sum(a.num_pages for a in allocators),
                              num_transferring=self.engine.num_transferring)
 
     def _update_gauges(self) -> None:
-        sched, alloc = self.core.scheduler, self.core.pool.allocator
+        sched = self.core.scheduler
         self.metrics.running.set(len(sched.running))
         self.metrics.queue_length.set(self.engine.num_transferring)
-        self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / alloc.num_pages)
+        total = sum(c.allocator.num_pages for c in sched.caches)
+        self.metrics.kv_pool_usage.set(self.core.kv_pages_in_use_by_requests() / total)
 
     def _deliver(self, items: Items) -> None:
         """A step's outputs (and failures) to the event loop, in one hand-off."""

@@ -222,16 +222,16 @@ class LLMEngine:
         elif hidden is not None and tuple(hidden.shape) != (self.model_config.hidden_size,):
             raise ValueError(f"hidden has shape {tuple(hidden.shape)}; this model expects "
                              f"({self.model_config.hidden_size},)")
-        if self.config.parallel.dp_attention:
-            raise ValueError("a request whose KV was computed elsewhere cannot join a DP-attention engine: its KV "
-                             "would have to reach one rank's pool; run the decode worker without --dp-attention")
-        if self.runner.driver is not None:  # under TP every rank attends over its own copy of the prompt's KV
-            self.runner.driver.share_kv(self.pool.kv, token_slots(pages, len(prompt_ids), self.pool.page_size))
         req = Request(request_id, list(prompt_ids), params, arrival_time=arrival_time or time.monotonic(),
                       generator=make_generator(params.seed, self.config.device), pages=list(pages),
                       num_computed_tokens=len(prompt_ids), num_cached_tokens=cached_tokens)
         if rng_state and req.generator is not None:
             req.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
+        # (nothing below refuses the request: from here its pages are the engine's, wherever they end up)
+        if self.config.parallel.dp_attention:
+            self._place_prefilled(req)
+        elif self.runner.driver is not None:  # under TP every rank attends over its own copy of the prompt's KV
+            self.runner.driver.share_kv(self.pool.kv, token_slots(pages, len(prompt_ids), self.pool.page_size))
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids) if self.tokenizer else None
         self._stops[request_id] = StopChecker(params, () if params.ignore_eos else self.eos_token_ids, detok)
         self._requests[request_id] = req
@@ -240,6 +240,23 @@ class LLMEngine:
         if self.speculator is not None and hidden is not None and not out.finished:
             self.speculator.adopt(req, hidden.to(self.pool.dtype))
         return out
+
+    def _place_prefilled(self, req: Request) -> None:
+        """DP attention: a transfer lands in rank 0's pool (the one the transports know); the request runs on the
+        least loaded rank (pdserve.scheduler), so its KV moves there, into pages of that rank's pool, and the landing
+        pages are freed. It stays on rank 0 when that rank is the least loaded or the other has no pages free."""
+        rank = self.scheduler.least_loaded_rank()
+        if rank == 0:
+            return
+        dst = self.scheduler.caches[rank].alloc_with_eviction(len(req.pages))
+        if dst is None:
+            return
+        n, ps = req.num_computed_tokens, self.pool.page_size
+        # NOTE: one more hop over the ranks' link per request (a prompt's latent KV, all layers: a fraction of the
+        # transfer that brought it), so that the transports address one pool per worker.
+        self.runner.driver.move_kv(self.pool.kv, token_slots(req.pages, n, ps), token_slots(dst, n, ps), 0, rank)
+        self.scheduler.caches[0].allocator.decref(req.pages)
+        req.pages, req.dp_rank = dst, rank
 
     def check_logprobs(self, params: SamplingParams) -> None:
         """NOTE: speculative rows emit several verified tokens per step without a per-token distribution here."""

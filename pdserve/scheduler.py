@@ -181,7 +181,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            req.dp_rank = self._least_loaded_rank()
+            req.dp_rank = self.least_loaded_rank()
             cache = self.caches[req.dp_rank]
             # A prompt whose every position's logprobs are asked for is computed in full.
             reuse = self.config.enable_prefix_cache and req.params.prompt_logprobs is None
@@ -201,7 +201,7 @@ class Scheduler:
             budget -= n
         return out
 
-    def _least_loaded_rank(self) -> int:
+    def least_loaded_rank(self) -> int:
         """DP attention: the rank a request admitted now goes to: fewest running requests, then most free pages,
         then the lowest rank (0 without DP attention)."""
         if len(self.caches) == 1:

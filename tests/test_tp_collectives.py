@@ -15,7 +15,7 @@ import torch
 
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.parallel.group import TPGroup, connect, store_for
-from pdserve.parallel.steps import ForwardCall, send_batch, send_kv
+from pdserve.parallel.steps import ForwardCall, KVCall, move_kv, send_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,7 @@ PEER = r"""
 import pickle, sys, torch
 from multiprocessing import connection
 from pdserve.parallel.group import connect, store_for
-from pdserve.parallel.steps import KVCall, receive_batch, receive_kv
+from pdserve.parallel.steps import KVCall, move_kv, receive_batch
 
 conn = connection.Connection(int(sys.argv[2]))
 send = lambda obj: conn.send_bytes(pickle.dumps(obj))  # plain pickle: tensors by value, not shared memory
@@ -45,9 +45,9 @@ while True:
         batch, prev = receive_batch(group, call, torch.device("cpu"), page_size, hidden)
         send({k: v for k, v in vars(batch).items() if k != "layer_done"} | {"prev_hidden": prev})
     elif kind == "kv":
-        shape, dtype, n = args
-        kv = torch.full(shape, float("nan")).to(dtype)
-        receive_kv(group, KVCall(n), kv)
+        call, shape, dtype, seed = args
+        kv = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+        move_kv(group, call, kv)
         send(kv)
 """
 
@@ -142,16 +142,24 @@ def test_a_step_reaches_the_other_rank_as_rank_0_built_it(peer, batch, mtp):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_rows_reach_the_same_slots_of_the_other_rank(peer, dtype):
-    """send_kv/receive_kv (a decode worker's transfers, handed on): every layer's rows at the slots, in any order,
-    land in the same slots of the peer's pool, and nothing else there changes."""
+@pytest.mark.parametrize("src, dst", [(0, None), (0, 1), (1, 0)], ids=["tp-share", "dp-to-rank1", "dp-to-rank0"])
+def test_kv_rows_move_between_the_ranks_pools(peer, dtype, src, dst):
+    """move_kv: every layer's rows at the source slots of rank src's pool, in any order, land in the destination
+    slots of rank dst's pool (dst None: the same slots of every rank: a decode worker's transfers handed on under TP;
+    DP attention moves a request's rows from one rank's pages to another's), and nothing else changes anywhere."""
     group, conn = peer
-    shape, n = (3, 50, 9), 13
-    kv = torch.randn(shape).to(dtype)
-    slots = torch.randperm(shape[1], generator=torch.Generator().manual_seed(n))[:n]
-    conn.send(("kv", (shape, dtype, n)))
-    send_kv(group, kv, slots)
-    got = received(conn)
-    want = torch.full(shape, float("nan")).to(dtype)
-    want[:, slots] = kv[:, slots]
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[:, slots], kv[:, slots])
+    shape, n, seed = (3, 50, 9), 13, 7
+    pools = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + r)).to(dtype) for r in (0, 1)]
+    before = [p.clone() for p in pools]
+    order = torch.randperm(shape[1], generator=torch.Generator().manual_seed(n))
+    src_slots = order[:n]
+    dst_slots = src_slots if dst is None else order[n:2 * n]
+    call = KVCall(n, src, dst)
+    conn.send(("kv", (call, shape, dtype, seed)))
+    move_kv(group, call, pools[0], torch.stack([src_slots, dst_slots]))
+    got = [pools[0], received(conn)]
+    for r in (0, 1):
+        want = before[r].clone()
+        if r != src and dst in (None, r):
+            want[:, dst_slots] = before[src][:, src_slots]
+        assert torch.equal(got[r], want), r

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import ParallelConfig
-from pdserve.engine import EngineConfig, LLMEngine
-from pdserve.kv_cache import CacheConfig
+from pdserve.engine import EngineConfig, LLMEngine, StepHooks
+from pdserve.kv_cache import CacheConfig, token_slots
 from pdserve.sampling import SamplingParams
 from pdserve.scheduler import SchedulerConfig
 from pdserve.spec_decode import SpeculativeConfig
@@ -83,6 +83,7 @@ def test_tp2_gives_the_single_process_tokens_on_the_trained_model(trained_model_
                    for x, y in zip([ta.logprob] + [t[1] for t in ta.top], [tb.logprob] + [t[1] for t in tb.top]))
         print(f"max |logprob TP2 - TP1| = {diff:.2e}")
         assert diff < 1e-4
+        check_prefilled_requests_join(single, parallel)
     finally:
         # At the stop rank 0's CUDA graphs go before its group (on GPUs the group's shutdown waits for them): the
         # engine's release, then any other, each while the group is still there.
@@ -150,8 +151,55 @@ def test_dp_attention_gives_the_single_process_tokens(trained_model_dir, trained
             final.update((o.request_id, o.output_ids) for o in parallel.step() if o.finished)
         assert any(min(n) > 0 for n in per_step) and any(min(n) == 0 < max(n) for n in per_step), per_step
         assert [final[i] for i in ids] == [o.output_ids for o in single.generate(prompts, params)]
+
+        check_prefilled_requests_join(single, parallel)
     finally:
         parallel.close()
+
+
+class _Captured(StepHooks):
+    """What a prefill worker ships of each prompt: its first token and every layer's KV rows."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine, self.rows = engine, {}
+
+    def on_prefilled(self, prompts, first_tokens, hidden):
+        pool = self.engine.pool
+        for req, tok in zip(prompts, first_tokens):
+            slots = token_slots(req.pages, req.num_prompt_tokens, pool.page_size)
+            self.rows[req.request_id] = (tok, pool.kv[:, slots].clone())  # (layers, prompt tokens, kv_dim)
+
+
+def check_prefilled_requests_join(single: LLMEngine, parallel: LLMEngine) -> None:
+    """A decode worker's way in: prompts computed elsewhere land in rank 0's pool (as a transfer puts them) and join
+    with their first token; under TP every rank gets a copy of their KV, under DP attention each moves to the least
+    loaded rank's pool; they decode the single-process tokens, and every rank's pool is idle afterwards."""
+    prompts = [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = [o.output_ids for o in single.generate(prompts, params)]
+    captured = _Captured(single)
+    single.hooks = captured
+    try:
+        computed = [single.add_request(p, SamplingParams(max_new_tokens=1, ignore_eos=True)) for p in prompts]
+        while single.has_unfinished:
+            single.step()
+    finally:
+        single.hooks = StepHooks()
+    pool, ranks = parallel.pool, []
+    for i, rid in enumerate(computed):
+        first, rows = captured.rows[rid]
+        ids = single.encode(prompts[i])
+        pages = parallel.prefix_cache.alloc_with_eviction(-(-len(ids) // pool.page_size))
+        pool.kv[:, token_slots(pages, len(ids), pool.page_size)] = rows  # what the transport writes
+        parallel.add_prefilled(f"joined-{i}", ids, params, pages, first, 0)
+        ranks.append(parallel._requests[f"joined-{i}"].dp_rank)
+    dp = parallel.config.parallel.dp_attention
+    assert sorted(set(ranks)) == ([0, 1] if dp else [0]), ranks  # under DP attention some moved to rank 1's pool
+    final = {}
+    while parallel.has_unfinished:
+        final.update((o.request_id, o.output_ids) for o in parallel.step() if o.finished)
+    assert [final[f"joined-{i}"] for i in range(len(prompts))] == want
+    assert parallel.kv_pages_in_use_by_requests() == 0
 
 
 def test_dp_attention_with_ep_and_nextn_is_lossless(trained_model_dir, trained):

@@ -103,8 +103,8 @@ def test_rank_1_ends_when_rank_0_is_killed(tmp_path):
      "--tp 3 does not divide num_attention_heads=4 of tiny-trained"),
     (["generate", "--dp-attention", "--input-ids", "1,2", "--device", "cpu"],
      "--dp-attention spreads requests over the --tp ranks; give --tp 2 or more"),
-    (["decode", "--tp", "2", "--dp-attention", "--device", "cpu", "--port", "0", "--metrics-port", "0"],
-     "--dp-attention: not available on `pdserve decode` yet"),
+    (["prefill", "--tp", "2", "--dp-attention", "--device", "cpu", "--port", "0", "--metrics-port", "0"],
+     "--dp-attention: for decode workers"),
     (["generate", "--tp", "2", "--collective-timeout", "0", "--input-ids", "1,2", "--device", "cpu"],
      "--collective-timeout 0: must be a positive number of seconds"),
 ])

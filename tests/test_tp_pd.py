@@ -1,7 +1,8 @@
 """The disaggregated path with tensor-parallel workers (CPU, Gloo, fp32): a prefill worker of 2 ranks ships the KV
-its rank 0 holds to a decode worker of 2 ranks, whose rank 0 receives it and hands it to its rank 1 (under TP the
-latent KV is the same on every rank), and the tokens are the single-process engine's. Workers of any split count
-as the same model (their fingerprints match), so a router pairs a TP1 worker with a TP2 one."""
+its rank 0 holds to a decode worker of 2 ranks with DP attention, whose rank 0 receives it and moves each request's
+KV to the rank it runs on (the least loaded; under plain TP it hands every rank a copy, tests/test_tp_engine.py),
+and the tokens are the single-process engine's. Workers of any split count as the same model (their fingerprints
+match), so a router pairs a TP1 worker with a TP2 one."""
 
 from __future__ import annotations
 
@@ -26,14 +27,15 @@ FP32_CPU = ["--dtype", "float32", "--device", "cpu", "--tp", "2"]
 
 
 @pytest.mark.slow
-def test_tp2_prefill_and_decode_workers_give_the_single_process_tokens(trained_model_dir, tmp_path):
+def test_tp2_prefill_and_dp_attention_decode_workers_give_the_single_process_tokens(trained_model_dir, tmp_path):
     reference = reference_outputs(trained_model_dir, dtype="float32")
-    stack = start_stack(trained_model_dir, tmp_path, engine_args=FP32_CPU, timeout_s=180)
+    stack = start_stack(trained_model_dir, tmp_path, engine_args=FP32_CPU, decode_args=["--dp-attention"],
+                        timeout_s=180)
     try:
         check_against_reference(stack.router.address, reference)
         for worker in stack.prefill + stack.decode:
-            idle = wait_idle(worker)
-            assert idle.num_free_pages == idle.num_total_pages, idle
+            idle = wait_idle(worker)  # (a DP-attention worker counts every rank's pool)
+            assert idle.num_free_pages == idle.num_total_pages == 512 * (2 if worker in stack.decode else 1), idle
             assert "tensor-parallel ranks ready: 2" in worker.log()
     finally:
         stack.stop()

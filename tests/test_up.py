@@ -120,12 +120,13 @@ def test_up_with_the_internal_token_in_its_environment_serves_and_guards_the_rou
 
 
 
-def test_up_hands_its_tensor_parallel_flags_to_every_worker_and_refuses_what_they_cannot_run(capsys):
-    from pdserve.cli import build_parser, main
-    from pdserve.cli.up import engine_flags
+def test_up_hands_its_tensor_parallel_flags_to_its_workers():
+    from pdserve.cli import build_parser
+    from pdserve.cli.up import engine_flags, role_flags
 
     flags = engine_flags(build_parser().parse_args(["up", "--tp", "2", "--ep", "2", "--collective-timeout", "7"]))
     assert [flags[flags.index(f) + 1] for f in ("--tp", "--ep", "--collective-timeout")] == ["2", "2", "7.0"]
-    assert main(["up", "--tp", "2", "--dp-attention", "--no-http"]) == 2  # before any worker starts
-    assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        "pdserve up: error: --dp-attention: not available on `pdserve up` yet (pdserve generate only)"
+    # DP attention is the decode tier's (its pools hold the requests' KV); a prefill worker refuses it
+    dp = build_parser().parse_args(["up", "--tp", "2", "--dp-attention"])
+    assert "--dp-attention" in role_flags(dp, "decode") and "--dp-attention" not in role_flags(dp, "prefill")
+    assert "--dp-attention" not in engine_flags(dp)

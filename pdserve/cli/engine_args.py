@@ -86,10 +86,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="expert parallelism: the routed experts split over the --tp ranks, each expert whole on one "
                         "rank, instead of each expert's intermediate; N = --tp (default 1: off)")
     g.add_argument("--dp-attention", action="store_true",
-                   help="with --tp N (generate only): attention data-parallel over requests, each rank running "
-                        "its own requests' attention over its own latent-KV pool (the --num-pages pool per rank: N "
-                        "times the tokens of --tp alone), the MLP/MoE still split over the ranks; decodes without "
-                        "CUDA graphs")
+                   help="with --tp N (generate, decode; up: its decode workers): attention data-parallel over "
+                        "requests, each rank running its own requests' attention over its own latent-KV pool (the "
+                        "--num-pages pool per rank: N times the tokens of --tp alone), the MLP/MoE still split over "
+                        "the ranks; decodes without CUDA graphs")
     g.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="with --tp N: a collective that waits longer than this for the other ranks fails the "
                         "worker with an error instead of hanging (a rank that is stuck; one that dies fails it at "
@@ -135,10 +135,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_dp_attention(args) -> None:
-    """--dp-attention runs in `pdserve generate` only: a UsageError on any other command."""
-    if args.dp_attention and getattr(args, "command", "generate") != "generate":
-        # each request's KV lives on one rank's pool, which the KV transfers of the tiers do not address yet
-        raise UsageError(f"--dp-attention: not available on `pdserve {args.command}` yet (pdserve generate only)")
+    """--dp-attention runs where requests decode: a UsageError on a prefill worker."""
+    if args.dp_attention and getattr(args, "command", "generate") == "prefill":
+        # DP attention's gain is the latent-KV pool of requests that stay (N ranks' pools); a prefill worker's KV
+        # leaves after each prompt, and its transfers read one rank's pool
+        raise UsageError("--dp-attention: for decode workers (their pools hold the requests' KV while they decode); "
+                         "a prefill worker runs plain --tp (pdserve up --dp-attention gives it to the decode tier "
+                         "only)")
 
 
 def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False):

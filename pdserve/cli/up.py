@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Optional
 
-from pdserve.cli.engine_args import DEFAULT_MODEL_DIR, check_dp_attention
+from pdserve.cli.engine_args import DEFAULT_MODEL_DIR
 from pdserve.cli.serve import _say, run_router
 
 # The random tiny model `up` makes when a checkout lacks the committed demo model (DEFAULT_MODEL_DIR).
@@ -98,6 +98,18 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--no-prefix-cache"] if args.no_prefix_cache else []) + (
         ["--disable-cuda-graph"] if args.disable_cuda_graph else []) + (
         ["--skip-warmup"] if getattr(args, "skip_warmup", False) else [])
+
+
+def role_flags(args: argparse.Namespace, role: str, decode_share: float = 1.0) -> list[str]:
+    """The flags of `up` that go to one tier's workers only."""
+    if role == "prefill":
+        return ["--no-kv-layerwise"] if args.no_kv_layerwise else []
+    flags = ["--dp-attention"] if args.dp_attention else []  # (a prefill worker's KV leaves after each prompt)
+    if args.min_step_interval_ms:
+        flags += ["--min-step-interval-ms", str(args.min_step_interval_ms)]
+    if decode_share < 1:
+        flags += ["--gpu-share-while-prefilling", repr(decode_share)]
+    return flags
 
 
 def worker_env(args: argparse.Namespace, environ) -> dict[str, str]:
@@ -266,7 +278,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.serving.worker_common import check_nixl_backend
 
     check_nixl_backend(args.kv_transport, args.nixl_backend)  # before any worker starts, not in each of them
-    check_dp_attention(args)
     layout = placement(args)
     check_cpu_backends(args, layout)
     devices = list(layout.devices)
@@ -287,13 +298,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             for i in range(count):
                 port = _free_port(fixed_ports)
                 cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
-                       f"{role}-{i}", *common, "--device", devices.pop(0)]
-                if role == "prefill" and args.no_kv_layerwise:
-                    cmd.append("--no-kv-layerwise")
-                if role == "decode" and args.min_step_interval_ms:
-                    cmd += ["--min-step-interval-ms", str(args.min_step_interval_ms)]
-                if role == "decode" and decode_share < 1:
-                    cmd += ["--gpu-share-while-prefilling", repr(decode_share)]
+                       f"{role}-{i}", *common, "--device", devices.pop(0), *role_flags(args, role, decode_share)]
                 name = f"{role}:127.0.0.1:{port}"
                 if not args.no_metrics:
                     mport = args.metrics_port + 1 + k if args.metrics_port else 0

@@ -14,7 +14,7 @@ import torch
 from pdserve.forward_batch import ForwardBatch
 from pdserve.parallel import dp_attention
 from pdserve.parallel.ranks import Ranks
-from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, send_batch, send_graph_inputs, send_kv
+from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, move_kv, send_batch, send_graph_inputs
 
 
 class Driver:
@@ -55,9 +55,18 @@ class Driver:
     def share_kv(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Latent KV that reached rank 0's pool `kv` from elsewhere (a transfer), at `slots` of every layer, into the
         other ranks' pools: under TP each rank attends over its own copy."""
+        slots = slots.to(kv.device)
+        self._move(KVCall(len(slots)), kv, torch.stack([slots, slots]))
+
+    def move_kv(self, kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor, src: int, dst: int) -> None:
+        """DP attention: rows of every layer at `src_slots` of rank `src`'s pool into `dst_slots` of rank `dst`'s (rank
+        0's pool is `kv`)."""
+        self._move(KVCall(len(src_slots), src, dst), kv, torch.stack([src_slots, dst_slots]).to(kv.device))
+
+    def _move(self, call: KVCall, kv: torch.Tensor, slots: torch.Tensor) -> None:
         with self.ranks.guard():
-            self.ranks.announce(KVCall(len(slots)))
-            send_kv(self.ranks.group, kv, slots.to(kv.device))
+            self.ranks.announce(call)
+            move_kv(self.ranks.group, call, kv, slots)
 
     def replay_patch(self, graphs, rows: int, width: int, chain: bool,
                      patch: Optional[Callable[[torch.Tensor], None]]) -> Callable[[torch.Tensor], None]:

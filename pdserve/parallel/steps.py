@@ -1,6 +1,6 @@
 """What rank 0 hands the other ranks of a tensor-parallel worker, once per model call: a small header through
 each rank's pipe (which call, and the batch's host-side shape) and the batch's tensors through one broadcast. Also
-latent KV that reached rank 0's pool from elsewhere (a decode worker's transfers): under TP every rank holds it.
+latent KV moved between the ranks' pools (a decode worker's transfers land in rank 0's: `KVCall`).
 
 Only inputs travel, never a decision a rank could take differently: token ids (after any device-side patch:
 overlap scheduling's and speculation's tokens exist on rank 0's device only), positions, KV slots, page tables,
@@ -60,23 +60,31 @@ class ReplayCall:
 
 @dataclass(frozen=True)
 class KVCall:
-    """Latent KV rows rank 0's pool received from outside the model (a prefill worker's transfer): `num_slots`
-    slots of every layer. The slots (int64) follow as one broadcast, then the rows (layers, num_slots, kv_dim)."""
+    """Latent KV rows moved between the ranks' pools outside the model, `num_slots` slots of every layer, from rank
+    `src` to rank `dst`, or with dst None from rank 0 into the same slots of every rank (under TP each rank attends
+    over its own copy of what a prefill worker's transfer put into rank 0's pool). Under DP attention a request's KV
+    lives on one rank: a transfer lands in rank 0's pool and moves to the rank the request was placed on. Rank 0's
+    slots (int64, (2, num_slots): source, destination) follow as one broadcast, then rank src's rows (layers,
+    num_slots, kv_dim) as another."""
 
     num_slots: int
+    src: int = 0
+    dst: Optional[int] = None
 
 
-def send_kv(tp: TPGroup, kv: torch.Tensor, slots: torch.Tensor) -> None:
-    """Rank 0: the rows of `slots` (on kv's device) in every layer of its pool `kv` (layers, num_slots, kv_dim)."""
+def move_kv(tp: TPGroup, call: KVCall, kv: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
+    """Every rank's part of `call` on its pool `kv` (layers, pool slots, kv_dim): rank 0 passes `slots` (2,
+    num_slots) (source, destination; one row of both for dst None), on kv's device; the others None."""
+    if slots is None:
+        slots = torch.empty(2, call.num_slots, dtype=torch.long, device=kv.device)
     tp.broadcast(slots)
-    tp.broadcast(kv.index_select(1, slots))  # (layers, n, kv_dim)
-
-
-def receive_kv(tp: TPGroup, call: KVCall, kv: torch.Tensor) -> None:
-    """Ranks 1..: rank 0's rows into the same slots of this rank's pool."""
-    slots = tp.broadcast(torch.empty(call.num_slots, dtype=torch.long, device=kv.device))
-    rows = tp.broadcast(torch.empty(kv.shape[0], call.num_slots, kv.shape[2], dtype=kv.dtype, device=kv.device))
-    kv.index_copy_(1, slots, rows)
+    if tp.rank == call.src:
+        rows = kv.index_select(1, slots[0])  # (layers, n, kv_dim)
+    else:
+        rows = torch.empty(kv.shape[0], call.num_slots, kv.shape[2], dtype=kv.dtype, device=kv.device)
+    tp.broadcast(rows, src=call.src)
+    if tp.rank != call.src and call.dst in (None, tp.rank):
+        kv.index_copy_(1, slots[1], rows)
 
 
 def send_batch(tp: TPGroup, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor]) -> None:
@@ -129,5 +137,5 @@ def receive_graph_inputs(tp: TPGroup, call: ReplayCall, graph) -> None:
         tp.broadcast(graph.prev_hidden)
 
 
-__all__ = ["ForwardCall", "ReplayCall", "KVCall", "send_batch", "receive_batch", "send_graph_inputs",
-           "receive_graph_inputs", "send_kv", "receive_kv"]
+__all__ = ["ForwardCall", "ReplayCall", "KVCall", "move_kv", "send_batch", "receive_batch", "send_graph_inputs",
+           "receive_graph_inputs"]

@@ -26,7 +26,7 @@ from pdserve.kv_cache import LatentKVPool
 from pdserve.model_runner import build_graph_runners
 from pdserve.parallel import dp_attention
 from pdserve.parallel.group import connect, store_for
-from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, receive_batch, receive_graph_inputs, receive_kv
+from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, move_kv, receive_batch, receive_graph_inputs
 from pdserve.weights import load_model, resolve_dtype
 
 PARENT_POLL_S = 0.5
@@ -75,7 +75,7 @@ class RankLoop:
             if isinstance(call, ReplayCall):
                 self._replay(call)
             elif isinstance(call, KVCall):
-                receive_kv(self.tp, call, self.pool.kv)
+                move_kv(self.tp, call, self.pool.kv)
             else:
                 self._forward(call)
 
