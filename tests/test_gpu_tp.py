@@ -71,6 +71,21 @@ def test_tp2_gives_the_single_gpu_tokens_in_fp32_on_the_trained_model(trained_mo
     assert tokens(str(trained_model_dir), 2, prompts, "--dtype", "float32", *extra) == want
 
 
+@pytest.mark.parametrize("extra", [(), ("--dp-attention",)], ids=["tp2", "dp-attention"])
+def test_prefilled_requests_join_a_tp2_engine_in_fp32(trained_model_dir, extra):
+    """A decode worker's way in on two GPUs: prompts a single-GPU engine computed land in rank 0's pool and join
+    with their first tokens; under TP their KV is copied to rank 1 over NCCL, under DP attention moved to the least
+    loaded rank's pool; the single-GPU tokens, every pool idle afterwards (tests/test_tp_engine.py's check)."""
+    from test_tp_engine import check_prefilled_requests_join
+
+    single = engine(str(trained_model_dir), 1, "--dtype", "float32")
+    parallel = engine(str(trained_model_dir), 2, "--dtype", "float32", *extra)
+    try:
+        check_prefilled_requests_join(single, parallel)
+    finally:
+        parallel.close()
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
