@@ -312,6 +312,9 @@ def cmd_up(args: argparse.Namespace) -> int:
              "model, then runs its warm-up, then reports ready ...")
         for line in layout.describe(args.kv_transport):
             _say(line)
+        if args.dp_attention:
+            _say(f"decode workers: DP attention over their {args.tp} ranks (each rank its own requests and KV pool); "
+                 "prefill workers: plain --tp")
         on_gpu = any(d.startswith("cuda") for d in layout.devices)
         if decode_share < 1 and on_gpu:
             _say(f"while prompts are being prefilled, decode steps keep to {decode_share:.2g} of the GPU's time "
