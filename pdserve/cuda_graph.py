@@ -21,6 +21,8 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.forward_batch import ForwardBatch, ForwardMode
+from pdserve.parallel.dp_attention import DPLayout
+from pdserve.parallel.group import TPGroup
 
 # (family: (MTP runner?, draft chain?), rows, graph) -> None; must replay the graph.
 ReplayHook = Callable[[tuple, int, torch.cuda.CUDAGraph], None]
@@ -31,6 +33,10 @@ class CudaGraphConfig:
     enabled: bool = True
     max_bs: int = 64
     batch_sizes: tuple[int, ...] = ()  # default: 1, 2, 4, 8, then every 8 up to max_bs
+    # Nothing captured: each "replay" runs the bucket's forward eagerly on the same static, padded buffers. What a
+    # graph runs, without CUDA: the CPU's tests of the padded-batch path (tensor-parallel replays, DP attention's
+    # per-rank padding) and, on a GPU, a graph's check against the same forward.
+    eager_replay: bool = False
 
     def buckets(self) -> list[int]:
         if self.batch_sizes:
@@ -59,9 +65,32 @@ class PackedRows:
         return self.host[4 * self.rows:].view(self.rows, self.width)
 
 
+@dataclass(frozen=True)
+class PackedRanks:
+    """DP attention: a step's rows for every rank's graph of bucket `rows`, in one host tensor (pinned on CUDA):
+    `size` PackedRows blocks, rank after rank (each rank's rows padded to `rows`), then for each of the step's `n`
+    rows, in step order, its row in the gathered output (rank k's row j: k * rows + j) and the place of its token id
+    in the blocks (k * block + j)."""
+
+    host: torch.Tensor
+    size: int
+    rows: int
+    width: int
+    n: int
+
+    @property
+    def block(self) -> int:
+        return self.rows * (4 + self.width)
+
+    def split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(blocks (size * block,), index (n,), ids_at (n,)) of `buf`: the host tensor or its copy on the device."""
+        end = self.size * self.block
+        return buf[:end], buf[end:end + self.n], buf[end + self.n:end + 2 * self.n]
+
+
 class _Graph:
     def __init__(self, bs: int, max_pages: int, hidden: int, scratch_page: int, page_size: int,
-                 device: torch.device, hidden_dtype: Optional[torch.dtype] = None):
+                 device: torch.device, hidden_dtype: Optional[torch.dtype] = None, capture: bool = True):
         self.bs = bs
         scratch_slot = scratch_page * page_size
         # One (4, bs) buffer for the per-row inputs, so that a packed batch fills it in one copy.
@@ -75,7 +104,7 @@ class _Graph:
         self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
         # The MTP layer's second input, h_i of the target (None for target graphs).
         self.prev_hidden = None if hidden_dtype is None else torch.zeros(bs, hidden, dtype=hidden_dtype, device=device)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph() if capture else None  # None: replays run the forward eagerly
         # Host-scheduled attention (FlashInfer): each graph's plan holder, re-planned before each replay; else None.
         self.plan = self.chain_plan = None
         self.chain: Optional[torch.cuda.CUDAGraph] = None  # greedy multi-step drafting (MTP graphs only)
@@ -83,9 +112,19 @@ class _Graph:
         self.hidden: Optional[torch.Tensor] = None
         self.logits: Optional[torch.Tensor] = None
 
-    def batch(self, page_size: int) -> ForwardBatch:
+    def batch(self, page_size: int, dp: Optional[DPLayout] = None) -> ForwardBatch:
         return ForwardBatch(ForwardMode.DECODE, self.input_ids, self.positions, self.out_slots, page_size,
-                            page_table=self.page_table, seq_lens=self.seq_lens)
+                            page_table=self.page_table, seq_lens=self.seq_lens, dp=dp)
+
+    def fill_block(self, block: torch.Tensor, width: int) -> None:
+        """From a packed block on the device (PackedRows.host's layout, this graph's rows): a tensor-parallel rank's
+        inputs as rank 0 sent them."""
+        rows = self.bs
+        self.header.copy_(block[:4 * rows].view(4, rows))
+        self.page_table[:, :width].copy_(block[4 * rows:].view(rows, width))
+        if self.table_width > width:  # never leave another request's pages behind a row
+            self.page_table[:, width:self.table_width].fill_(self.scratch_page)
+        self.table_width = width
 
     def fill(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None) -> None:
         """From a device batch of any size up to bs (benchmarks); the serving path uses fill_packed."""
@@ -155,9 +194,14 @@ class DecodeGraphRunner:
 
     def __init__(self, model, pool, max_pages_per_seq: int, config: CudaGraphConfig,
                  progress: Optional[Callable[[str], None]] = None, mtp: bool = False, chain_steps: int = 0,
-                 chain_batch_sizes: tuple[int, ...] = ()):
+                 chain_batch_sizes: tuple[int, ...] = (), dp: Optional[TPGroup] = None):
         assert mtp or not chain_steps, "draft chains are MTP graphs"
+        assert dp is None or not mtp, "under DP attention only the target model's forward is captured"
         self.model, self.pool, self.config, self.mtp = model, pool, config, mtp
+        # DP attention: the ranks' group. Every rank replays its graph of one bucket, b rows of its own requests
+        # padded to b (the bucket of the rank with the most), and the layers gather all ranks' b rows for the MLP:
+        # a static layout, (b,) * size, where an eager DP step gathers each rank's exact count.
+        self.dp = dp
         self.chain_steps, self.chain_batch_sizes = chain_steps, set(chain_batch_sizes)
         self.max_pages = max_pages_per_seq
         self.graphs: dict[int, _Graph] = {}
@@ -165,23 +209,26 @@ class DecodeGraphRunner:
         # When set, every replay goes through it instead of graph.replay() (it must replay the graph): a tier's way to
         # observe its replays without this runner knowing why.
         self.replay_hook: Optional[ReplayHook] = None
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.mempool = None if config.eager_replay else torch.cuda.graph_pool_handle()
         start = time.monotonic()
         for bs in reversed(config.buckets()):  # largest first: later graphs reuse its memory pool
             self.graphs[bs] = self._capture(bs)
         self.capture_seconds = time.monotonic() - start
         if progress:
-            what = "NextN draft steps" if mtp else "decode"
-            progress(f"captured {len(self.graphs)} CUDA graphs for {what} (batch sizes {config.buckets()}) "
+            what = "NextN draft steps" if mtp else "decode" + (", DP attention" if dp is not None else "")
+            done = "built the static buffers of" if config.eager_replay else "captured"
+            progress(f"{done} {len(self.graphs)} CUDA graphs for {what} (batch sizes {config.buckets()}) "
                      f"in {self.capture_seconds:.1f}s")
 
     def _capture(self, bs: int) -> _Graph:
         cfg = self.model.cfg
         g = _Graph(bs, self.max_pages, cfg.hidden_size, self.pool.scratch_page, self.pool.page_size,
-                   self.pool.kv.device, self.pool.dtype if self.mtp else None)
-        batch = g.batch(self.pool.page_size)
+                   self.pool.kv.device, self.pool.dtype if self.mtp else None, capture=not self.config.eager_replay)
+        batch = self._batch(g)
         attention = self.model.kernels.attention
         g.plan = attention.graph_plan(bs, self.max_pages)
+        if self.config.eager_replay:  # (no draft chain: those rows run the chain's ops eagerly anyway)
+            return g
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up: lazy init, autotuning, allocator, the attention plan
@@ -205,6 +252,9 @@ class DecodeGraphRunner:
                 g.chain_tokens = self._chain(g)
         return g
 
+    def _batch(self, g: _Graph) -> ForwardBatch:
+        return g.batch(self.pool.page_size, None if self.dp is None else DPLayout(self.dp, (g.bs,) * self.dp.size))
+
     def _chain(self, g: _Graph) -> torch.Tensor:
         return greedy_draft_chain(self.model, self.pool.kv, g.batch(self.pool.page_size), g.prev_hidden,
                                   self.chain_steps)
@@ -216,18 +266,27 @@ class DecodeGraphRunner:
         hidden = self.model(batch, self.pool.kv)
         return hidden, self.model.logits(hidden)
 
-    def _replay(self, family: tuple, rows: int, graph: torch.cuda.CUDAGraph) -> None:
-        if self.replay_hook is not None:
-            self.replay_hook(family, rows, graph)
+    def _replay(self, family: tuple, g: _Graph) -> None:
+        graph = g.chain if family[1] else g.graph
+        if graph is None:  # eager_replay: what the graph would run
+            with _planning(g.plan, capturing=False):
+                g.hidden, g.logits = self._forward(g, self._batch(g))
+        elif self.replay_hook is not None:
+            self.replay_hook(family, g.bs, graph)
         else:
             graph.replay()
         self.replays += 1
+
+    def launch(self, g: _Graph, chain: bool = False) -> None:
+        """Replay bucket `g` as its inputs stand (a tensor-parallel rank > 0, on rank 0's inputs)."""
+        self._replay((self.mtp, chain), g)
 
     def release(self) -> None:
         """Destroy the captured graphs now (the runner has none afterwards). NOTE: NCCL frees a communicator only
         once every graph that captured one of its collectives is destroyed (its shutdown waits for that), so a
         tensor-parallel rank releases its graphs before its group; garbage collection alone may come too late."""
-        torch.cuda.synchronize(self.pool.kv.device)
+        if self.pool.kv.is_cuda:
+            torch.cuda.synchronize(self.pool.kv.device)
         for g in self.graphs.values():
             for graph in (g.graph, g.chain):
                 if graph is not None:
@@ -256,8 +315,30 @@ class DecodeGraphRunner:
         plan = g.chain_plan if chain else g.plan
         if plan is not None:
             plan.replan(packed.page_table, packed.header[3])
-        self._replay((self.mtp, chain), g.bs, g.chain if chain else g.graph)
+        self._replay((self.mtp, chain), g)
         return g.chain_tokens[:n] if chain else (g.hidden[:n], g.logits[:n])
+
+    def replay_ranks(self, packed: "PackedRanks", patch: Optional[Callable[[torch.Tensor], None]] = None,
+                     share: Optional[Callable[[torch.Tensor], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """DP attention, rank 0: every rank's rows of a step, packed rank after rank into the bucket packed.rows;
+        patch(input_ids) edits the step's token ids (in step order) on the device, share(blocks) hands every rank's
+        block to the other ranks (each then replays its own graph of the bucket), and this rank replays its own.
+        Returns (hidden (n, D), logits (n, vocab)) of the step's rows in step order, gathered from all ranks."""
+        g, size, rank = self.graphs[packed.rows], self.dp.size, self.dp.rank
+        buf = packed.host.to(g.header.device, non_blocking=True)
+        blocks, index, ids_at = packed.split(buf)
+        if patch is not None:
+            ids = blocks[ids_at]
+            patch(ids)
+            blocks[ids_at] = ids
+        if share is not None:
+            share(blocks)
+        g.fill_block(blocks.view(size, -1)[rank], packed.width)
+        if g.plan is not None:
+            mine = packed.split(packed.host)[0].view(size, -1)[rank]
+            g.plan.replan(mine[4 * g.bs:].view(g.bs, packed.width), mine[3 * g.bs:4 * g.bs])
+        self._replay((False, False), g)
+        return g.hidden[index], g.logits[index]
 
     def run(self, batch: ForwardBatch, prev_hidden: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,6 +351,6 @@ class DecodeGraphRunner:
         g.fill(batch, prev_hidden)
         if g.plan is not None:  # benchmarks' path: reading the inputs back costs a sync
             g.plan.replan(g.page_table[:, :g.table_width].cpu(), g.seq_lens.cpu())
-        self._replay((self.mtp, False), g.bs, g.graph)
+        self._replay((self.mtp, False), g)
         n = batch.num_tokens
         return g.hidden[:n], g.logits[:n]

@@ -115,10 +115,6 @@ class LLMEngine:
         With config.parallel.tp_size > 1 it starts the other tensor-parallel ranks (stopped by close(), or at exit)."""
         if config.parallel.tp_size > 1:  # rank 0's device, spelled out (the others are counted from it)
             config = dataclasses.replace(config, device=rank_device(config.device, 0))
-        if config.parallel.dp_attention and config.cuda_graph.enabled:
-            # NOTE: a DP step's per-rank token counts change every step, and a captured graph has one shape per
-            # rank: DP attention decodes eagerly.
-            config = dataclasses.replace(config, cuda_graph=dataclasses.replace(config.cuda_graph, enabled=False))
         self.config = config
         make_current(config.device)  # the loading, graph capture and warm-up below launch on it
         self.model_config = model_config or ModelConfig.from_model_dir(config.model_dir)
@@ -176,7 +172,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, config.cache, self.prefix_cache, spec.num_steps if spec.enabled else 0,
                                    dp_caches)
         graphs = build_graph_runners(self.model, self.pool, kernels, config.cuda_graph, config.device,
-                                     spec.num_steps if spec.enabled else 0, sched.max_model_len, progress)
+                                     spec.num_steps if spec.enabled else 0, sched.max_model_len, progress,
+                                     dp=tp if config.parallel.dp_attention else None)
         driver = Driver(self.model, self.ranks, config.parallel.dp_size) if self.ranks is not None else None
         self.runner = ModelRunner(self.model, self.pool, config.device, *graphs, driver=driver)
         if self.ranks is not None:

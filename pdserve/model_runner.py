@@ -10,12 +10,13 @@ from typing import Callable, Optional
 
 import torch
 
-from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner, PackedRows, greedy_draft_chain
+from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner, PackedRanks, PackedRows, greedy_draft_chain
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.host_staging import HostStaging
 from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import LatentKVPool, token_slots
 from pdserve.model import DeepseekV3
+from pdserve.parallel.group import TPGroup
 from pdserve.request import Request
 from pdserve.scheduler import PrefillChunk, SchedulerOutput
 
@@ -40,21 +41,26 @@ class ForwardOutput:
 
 
 def build_graph_runners(model: DeepseekV3, pool: LatentKVPool, kernels: KernelBackends, config: CudaGraphConfig,
-                        device: str, spec_steps: int, max_model_len: int, progress: Optional[Callable[[str], None]]
+                        device: str, spec_steps: int, max_model_len: int, progress: Optional[Callable[[str], None]],
+                        dp: Optional[TPGroup] = None
                         ) -> tuple[Optional[DecodeGraphRunner], Optional[DecodeGraphRunner]]:
     """(target graphs, MTP-layer graphs), the latter only with speculation (spec_steps > 0 draft steps); (None,
-    None) off CUDA, with graphs off, or with a backend that cannot be captured. Every tensor-parallel rank captures
-    the same graphs, in the same order (their warm-up forwards run the layers' collectives)."""
-    if not config.enabled or not str(device).startswith("cuda"):
+    None) off CUDA, with graphs off, or with a backend that cannot be captured (config.eager_replay: on any device,
+    with any backend). Every tensor-parallel rank captures the same graphs, in the same order (their warm-up forwards
+    run the layers' collectives). dp: under DP attention the ranks' group, and the target's graphs only (the MTP
+    layer's rows run eagerly)."""
+    if not config.enabled or not (str(device).startswith("cuda") or config.eager_replay):
         return None, None
     unsafe = [f"{kind}={type(b).__name__}" for kind, b in
               (("attention", kernels.attention), ("moe", kernels.moe), ("gemm", kernels.gemm))
               if not getattr(b, "graph_safe", False)]
-    if unsafe:  # those synchronise with the host (data-dependent shapes): they cannot be captured
+    if unsafe and not config.eager_replay:  # those synchronise with the host (data-dependent shapes): no capture
         (progress or print)(f"CUDA graphs off: backends {', '.join(unsafe)} cannot be captured "
                             "(use --attention-backend triton --moe-backend triton, or --disable-cuda-graph)")
         return None, None
     max_pages = -(-max_model_len // pool.page_size)
+    if dp is not None:
+        return DecodeGraphRunner(model, pool, max_pages, config, progress, dp=dp), None
     if not spec_steps:
         return DecodeGraphRunner(model, pool, max_pages, config, progress), None
     # With NextN a batch of B requests verifies B*(k+1) rows and extends up to as many MTP rows: graphs for those
@@ -202,6 +208,8 @@ class ModelRunner:
         if graphs is None or not rows:
             return None
         width = max(len(r.request.pages) for r in rows)
+        if graphs.dp is not None:
+            return self._replay_ranks(graphs, rows, width, patch)
         bucket = graphs.bucket_for(len(rows), width, chain)
         if bucket is None:
             return None
@@ -210,11 +218,39 @@ class ModelRunner:
             patch = self.driver.replay_patch(graphs, bucket, packed.width, chain, patch)
         return graphs.replay_packed(packed, prev_hidden, patch, chain)
 
+    def _replay_ranks(self, graphs: DecodeGraphRunner, rows: list[TokenRow], width: int,
+                      patch: Optional[Callable[[torch.Tensor], None]]):
+        """DP attention: DecodeGraphRunner.replay_ranks when the rank with the most rows fits a bucket, else None."""
+        size = graphs.dp.size
+        mine: list[list[TokenRow]] = [[] for _ in range(size)]
+        where = []  # each row's (rank, row there)
+        for r in rows:
+            k = r.request.dp_rank
+            where.append((k, len(mine[k])))
+            mine[k].append(r)
+        bucket = graphs.bucket_for(max(map(len, mine)), width)
+        if bucket is None:
+            return None
+        block = bucket * (4 + width)
+        flat = [v for k in range(size) for v in self._flat_rows(mine[k], bucket, width)]
+        flat += [k * bucket + j for k, j in where] + [k * block + j for k, j in where]  # gathered row, token id
+        host = self.staging.stage(torch.frombuffer(array.array("q", flat), dtype=torch.long))
+        share = self.driver.share_blocks(bucket, width)
+        return graphs.replay_ranks(PackedRanks(host, size, bucket, width, len(rows)), patch, share)
+
     def pack_rows(self, rows: list[TokenRow], num_rows: int, width: int) -> PackedRows:
         """The rows in a graph's input layout, padded to num_rows, page tables `width` pages wide, on the host
         (pinned on CUDA, in the staging ring, so that the copy to the device does not wait for queued work: at small
         batch a decode step is launch-bound, and a blocking copy would stall the host until the GPU drains). Queue
         the copies out of it before the runner stages anything else."""
+        flat = self._flat_rows(rows, num_rows, width)
+        # NOTE: through array.array, not torch.tensor(flat): that converts int by int, on the engine's thread
+        # every decode step.
+        host = self.staging.stage(torch.frombuffer(array.array("q", flat), dtype=torch.long))
+        return PackedRows(host, len(rows), num_rows, width)
+
+    def _flat_rows(self, rows: list[TokenRow], num_rows: int, width: int) -> list[int]:
+        """PackedRows.host's values for `rows` padded to num_rows (a dummy token writing the scratch page)."""
         ps, scratch, pad = self.pool.page_size, self.pool.scratch_page, num_rows - len(rows)
         flat = [r.token for r in rows] + [0] * pad
         flat += [r.position for r in rows] + [0] * pad
@@ -225,10 +261,7 @@ class ModelRunner:
             flat += r.request.pages
             flat += [scratch] * (width - len(r.request.pages))
         flat += [scratch] * (width * pad)
-        # NOTE: through array.array, not torch.tensor(flat): that converts int by int, on the engine's thread
-        # every decode step.
-        host = self.staging.stage(torch.frombuffer(array.array("q", flat), dtype=torch.long))
-        return PackedRows(host, len(rows), num_rows, width)
+        return flat
 
     def rows_batch(self, rows: list[TokenRow]) -> ForwardBatch:
         """A DECODE batch of token rows (the eager path), moved in ONE host-to-device copy, asynchronous on CUDA."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import ParallelConfig
+from pdserve.cuda_graph import CudaGraphConfig
 from pdserve.engine import EngineConfig, LLMEngine, StepHooks
 from pdserve.kv_cache import CacheConfig, token_slots
 from pdserve.sampling import SamplingParams
@@ -104,12 +105,18 @@ def test_ep2_gives_the_single_process_tokens_on_the_trained_model(trained_model_
         parallel.close()
 
 
-def test_tp2_with_nextn_speculation_is_lossless(trained_model_dir, trained):
-    """Drafts chained through the MTP layer on every rank, verified by the target: the plain greedy tokens."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+def test_tp2_with_nextn_speculation_is_lossless(trained_model_dir, trained, graphs):
+    """Drafts chained through the MTP layer on every rank, verified by the target: the plain greedy tokens.
+    graph-buffers: the target's and the MTP layer's rows through the CUDA graphs' static buffers, run eagerly
+    (CudaGraphConfig.eager_replay), each rank filling its own from rank 0's packed inputs."""
     _, want = trained
-    parallel = engine(trained_model_dir, 2, speculative=SpeculativeConfig("NEXTN", 3))
+    kw = dict(cuda_graph=CudaGraphConfig(max_bs=8, eager_replay=True)) if graphs else {}
+    parallel = engine(trained_model_dir, 2, speculative=SpeculativeConfig("NEXTN", 3), **kw)
     try:
         assert outputs(parallel, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS) == want
+        if graphs:
+            assert parallel.runner.graphs.replays > 0 and parallel.runner.mtp_graphs.replays > 0
     finally:
         parallel.close()
 
@@ -130,13 +137,18 @@ def test_tp2_gives_the_single_process_tokens_with_fp8_blocks(fp8_32_dir, single_
     compare(fp8_32_dir, single_outputs(fp8_32_dir), ep)
 
 
-def test_dp_attention_gives_the_single_process_tokens(trained_model_dir, trained):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+def test_dp_attention_gives_the_single_process_tokens(trained_model_dir, trained, graphs):
     """TP2 + DP attention: each request's attention on one rank, over that rank's own pool; the MLP/MoE over both
     ranks' tokens. Prompts of different lengths and output budgets keep both ranks busy, then leave one idle while
-    the other still decodes (it joins every collective with no tokens)."""
+    the other still decodes (it joins every collective with no tokens). graph-buffers: decode steps through the
+    CUDA graphs' static buffers, run eagerly (CudaGraphConfig.eager_replay): each rank's rows padded to the bucket of
+    the rank with the most, every rank's whole bucket gathered for the MLP, as the captured graphs run on GPUs."""
     single, want = trained
-    parallel = engine(trained_model_dir, 2, dp_attention=True)
+    kw = dict(cuda_graph=CudaGraphConfig(max_bs=8, eager_replay=True)) if graphs else {}
+    parallel = engine(trained_model_dir, 2, dp_attention=True, **kw)
     try:
+        assert (parallel.runner.graphs is not None) == graphs
         assert parallel.model.layers[0].self_attn.num_heads == parallel.model_config.num_attention_heads  # whole
         assert parallel.kv_capacity_tokens == 2 * single.kv_capacity_tokens
         got = outputs(parallel, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS)
@@ -153,6 +165,8 @@ def test_dp_attention_gives_the_single_process_tokens(trained_model_dir, trained
         assert [final[i] for i in ids] == [o.output_ids for o in single.generate(prompts, params)]
 
         check_prefilled_requests_join(single, parallel)
+        if graphs:
+            assert parallel.runner.graphs.replays > 0
     finally:
         parallel.close()
 

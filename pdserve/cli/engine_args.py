@@ -89,7 +89,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --tp N (generate, decode; up: its decode workers): attention data-parallel over "
                         "requests, each rank running its own requests' attention over its own latent-KV pool (the "
                         "--num-pages pool per rank: N times the tokens of --tp alone), the MLP/MoE still split over "
-                        "the ranks; decodes without CUDA graphs")
+                        "the ranks; each rank's decode rows padded to one CUDA-graph bucket (the NextN draft layer "
+                        "runs eagerly)")
     g.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="with --tp N: a collective that waits longer than this for the other ranks fails the "
                         "worker with an error instead of hanging (a rank that is stuck; one that dies fails it at "

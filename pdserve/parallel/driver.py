@@ -68,6 +68,16 @@ class Driver:
             self.ranks.announce(call)
             move_kv(self.ranks.group, call, kv, slots)
 
+    def share_blocks(self, rows: int, width: int) -> Callable[[torch.Tensor], None]:
+        """DP attention: the `share` to give DecodeGraphRunner.replay_ranks (every rank's inputs of a step to the
+        other ranks, each of which replays its own graph of bucket `rows`)."""
+        def share(blocks: torch.Tensor) -> None:
+            with self.ranks.guard():
+                self.ranks.announce(ReplayCall(False, False, rows, width, self.ranks.group.size))
+                self.ranks.group.broadcast(blocks)
+
+        return share
+
     def replay_patch(self, graphs, rows: int, width: int, chain: bool,
                      patch: Optional[Callable[[torch.Tensor], None]]) -> Callable[[torch.Tensor], None]:
         """The patch to give DecodeGraphRunner.replay_packed for a replay every rank makes: it runs once the graph's

@@ -40,9 +40,11 @@ class TPGroup:
         """Every rank's `x` (the same shape on each), stacked: (size, *x.shape); (1, *x.shape) at size 1."""
         if self.size == 1:
             return x[None]
-        out = x.new_empty(self.size, *x.shape)
-        self._group.allgather([list(out.unbind(0))], [x.contiguous()]).wait()
-        return out
+        # NOTE: into one tensor (all_gather_into_tensor): NCCL writes it in place, which a CUDA graph captures (DP
+        # attention's decode graphs gather every layer), where a list of outputs would be copied out afterwards.
+        out = x.new_empty(self.size * x.shape[0], *x.shape[1:]) if x.dim() else x.new_empty(self.size)
+        self._group._allgather_base(out, x.contiguous()).wait()
+        return out.view(self.size, *x.shape)
 
     def close(self) -> None:
         """Release the process group (NCCL warns at exit about one never shut down); at each rank's stop, after its

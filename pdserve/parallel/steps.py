@@ -50,12 +50,14 @@ class ForwardCall:
 class ReplayCall:
     """A captured CUDA graph replay: the graph of bucket `rows` of the target (or, with mtp, the MTP layer's) runner,
     its draft chain with chain. Its static inputs follow as one int64 broadcast (header (4, rows), then the page
-    table's first `width` columns), then, for mtp graphs, prev_hidden (rows, D)."""
+    table's first `width` columns), then, for mtp graphs, prev_hidden (rows, D). Under DP attention (`ranks` > 1)
+    the broadcast holds one such block per rank, rank after rank, and each rank fills its graph from its own."""
 
     mtp: bool
     chain: bool
     rows: int
     width: int
+    ranks: int = 1
 
 
 @dataclass(frozen=True)
@@ -126,13 +128,9 @@ def send_graph_inputs(tp: TPGroup, graph, width: int) -> None:
 
 def receive_graph_inputs(tp: TPGroup, call: ReplayCall, graph) -> None:
     """Ranks 1..: rank 0's inputs into this rank's graph of the same bucket, as _Graph.fill_packed leaves them."""
-    rows, width = call.rows, call.width
-    buf = tp.broadcast(torch.empty(rows * (4 + width), dtype=torch.long, device=graph.header.device))
-    graph.header.copy_(buf[:4 * rows].view(4, rows))
-    graph.page_table[:, :width].copy_(buf[4 * rows:].view(rows, width))
-    if graph.table_width > width:  # never leave another request's pages behind a row
-        graph.page_table[:, width:graph.table_width].fill_(graph.scratch_page)
-    graph.table_width = width
+    block = call.rows * (4 + call.width)
+    buf = tp.broadcast(torch.empty(call.ranks * block, dtype=torch.long, device=graph.header.device))
+    graph.fill_block(buf.view(call.ranks, block)[tp.rank if call.ranks > 1 else 0], call.width)
     if graph.prev_hidden is not None:
         tp.broadcast(graph.prev_hidden)
 

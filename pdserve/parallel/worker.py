@@ -65,7 +65,8 @@ class RankLoop:
         spec = config.speculative
         self.graphs = build_graph_runners(self.model, self.pool, kernels, config.cuda_graph, config.device,
                                           spec.num_steps if spec.enabled else 0, setup.max_model_len,
-                                          lambda _msg: None)  # rank 0 reports
+                                          lambda _msg: None,  # rank 0 reports
+                                          dp=self.tp if parallel.dp_attention else None)
 
     def run(self, conn) -> None:
         while True:
@@ -101,7 +102,7 @@ class RankLoop:
         plan = g.chain_plan if call.chain else g.plan
         if plan is not None:  # a host-scheduled attention backend plans from host copies of the inputs
             plan.replan(g.page_table[:, :g.table_width].cpu(), g.seq_lens.cpu())
-        (g.chain if call.chain else g.graph).replay()
+        runner.launch(g, call.chain)
 
 
 def _exit_with_parent(parent_pid: int, rank: int) -> None:
