@@ -235,7 +235,7 @@ class ModelRunner:
         flat = [v for k in range(size) for v in self._flat_rows(mine[k], bucket, width)]
         flat += [k * bucket + j for k, j in where] + [k * block + j for k, j in where]  # gathered row, token id
         host = self.staging.stage(torch.frombuffer(array.array("q", flat), dtype=torch.long))
-        share = self.driver.share_blocks(bucket, width)
+        share = None if self.driver is None else self.driver.share_blocks(bucket, width)  # (None: one rank)
         return graphs.replay_ranks(PackedRanks(host, size, bucket, width, len(rows)), patch, share)
 
     def pack_rows(self, rows: list[TokenRow], num_rows: int, width: int) -> PackedRows:
