@@ -59,16 +59,16 @@ def build_graph_runners(model: DeepseekV3, pool: LatentKVPool, kernels: KernelBa
                             "(use --attention-backend triton --moe-backend triton, or --disable-cuda-graph)")
         return None, None
     max_pages = -(-max_model_len // pool.page_size)
-    if dp is not None:
-        return DecodeGraphRunner(model, pool, max_pages, config, progress, dp=dp), None
     if not spec_steps:
-        return DecodeGraphRunner(model, pool, max_pages, config, progress), None
+        return DecodeGraphRunner(model, pool, max_pages, config, progress, dp=dp), None
     # With NextN a batch of B requests verifies B*(k+1) rows and extends up to as many MTP rows: graphs for those
     # sizes too, so every bucket of plain decode has its speculative counterpart.
     width = spec_steps + 1
     base = config.buckets()
     config = dataclasses.replace(config, max_bs=config.max_bs * width,
                                  batch_sizes=tuple(sorted(set(base) | {b * width for b in base})))
+    if dp is not None:
+        return DecodeGraphRunner(model, pool, max_pages, config, progress, dp=dp), None
     return (DecodeGraphRunner(model, pool, max_pages, config, progress),
             DecodeGraphRunner(model, pool, max_pages, config, progress, mtp=True, chain_steps=spec_steps - 1,
                               chain_batch_sizes=tuple(base)))

@@ -217,11 +217,14 @@ def check_prefilled_requests_join(single: LLMEngine, parallel: LLMEngine) -> Non
 
 
 def test_dp_attention_with_ep_and_nextn_is_lossless(trained_model_dir, trained):
-    """DP attention over expert-parallel MoEs, drafts chained through the MTP layer (its attention DP too)."""
+    """DP attention over expert-parallel MoEs, drafts chained through the MTP layer (its attention DP too, eager),
+    verified through the target's graph buffers (CudaGraphConfig.eager_replay: rows padded per rank)."""
     _, want = trained
-    parallel = engine(trained_model_dir, 2, ep=2, dp_attention=True, speculative=SpeculativeConfig("NEXTN", 3))
+    parallel = engine(trained_model_dir, 2, ep=2, dp_attention=True, speculative=SpeculativeConfig("NEXTN", 3),
+                      cuda_graph=CudaGraphConfig(max_bs=8, eager_replay=True))
     try:
         got = outputs(parallel, [PROMPTS[0], PROMPTS[3]] + ID_PROMPTS)
         assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+        assert parallel.runner.graphs.replays > 0 and parallel.runner.mtp_graphs is None
     finally:
         parallel.close()
