@@ -349,7 +349,9 @@ class KVReceiverChannel(KVReceiver):
                 self.drop_locked(r, "aborted", f"room {room} was aborted by the prefill worker ({r.progress()})",
                                  notify=False)
                 return
-            layers = peer.plane.aux_layers(r)
+            layers = peer.plane.aux_layers(r, header)
+            if layers is None:
+                return
             r.conn = peer
             aux = self.read_locked(r, kind, header, payload, self._parse_aux)
             if aux is None:

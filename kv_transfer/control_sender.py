@@ -118,7 +118,7 @@ class Connection:
                 except RuntimeError as e:  # a CUDA error: this room's rows cannot be read
                     handle._fail("aborted", f"room {handle.room}: reading its rows off the GPU failed: {e}")
                     continue
-                if frame is None:  # the builder failed the room itself
+                if not frame:  # the builder failed the room itself (None), or its rows are announced later ([])
                     continue
             if not self.write_now(frame):
                 return
@@ -178,6 +178,9 @@ class RoomHandle(SendHandle):
         self.plane_state: Any = None  # what the data plane keeps per room (cuda_ipc: its grant and last copy)
         self.num_tokens: int | None = None
         self.bytes_sent = 0
+        # Layers the AUX frame announces instead of a LAYER frame of their own (the data plane defers the room's last
+        # send there when the decode worker takes it: finish() follows it, so one frame less per room).
+        self.aux_layers: list[int] = []
         self._layers: set[int] = set()
         self._finished = False
         self._event = threading.Event()
@@ -204,6 +207,11 @@ class RoomHandle(SendHandle):
         if self.status.state != TransferState.FAILED:
             self._conn.plane.send(self, layers, source, slots)
         mark("kv.send_returned", room_key(self.room))
+
+    @property
+    def all_sent(self) -> bool:
+        """Every layer of the room was handed over (inside the send that hands over the last ones, too)."""
+        return len(self._layers) == self.num_layers
 
     def _check_rows(self, layers: list[int], source: torch.Tensor, slots: torch.Tensor | None, dims: int) -> int:
         """Argument mistakes raise ValueError before anything is queued; returns the token count. `dims` 2: one
@@ -250,6 +258,8 @@ class RoomHandle(SendHandle):
             "fields": {k: v for k, v in aux.items() if k not in ("hidden", "rng_state")},
             "hidden_dtype": None, "hidden_shape": None, "hidden_nbytes": 0, "rng_nbytes": len(rng),
         }
+        if self.aux_layers:
+            header["layers"] = self.aux_layers
         payload = [rng]
         if hidden is not None:
             h = hidden.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)

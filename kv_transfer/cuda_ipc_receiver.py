@@ -10,8 +10,10 @@ cuda_ipc. A cuda_ipc room goes:
     LAYER {room, layer | layers, num_tokens} -> the device copy of layer k (or of the run of layers: the
                                                prefill engine sends a prompt's layers in one) is queued behind
                                                its forward; as many as it takes to cover every layer
-    AUX {...} ->                               sent once the sender saw all its copies complete: on_layer for
-                                               each layer, then on_done
+    AUX {..., layers} ->                       sent once the sender saw all its copies complete: on_layer for
+                                               each layer, then on_done; `layers` (optional) announces the
+                                               layers of the room's last send, which then has no LAYER frame
+                                               (HELLO_OK's `aux_layers` tells the sender it may)
     ABORT {room} ->                            the sender failed or dropped the room *and* saw its copies complete
 
 A granted room that fails here (cancel, timeout, a bad frame) is *draining*: the sender is told (ROOM_FAILED),
@@ -74,7 +76,7 @@ class IpcReceivePlane(ReceivePlane):
             return why
         logger.info("KV receiver %s paired with prefill %s over %s (%s)", self.channel.endpoint, peer.addr, mode, why)
         if mode == IPC:
-            return self, {"transport": mode, "reason": why, "ipc": self._export}
+            return self, {"transport": mode, "reason": why, "ipc": self._export, "aux_layers": True}
         return self.tcp, {"transport": mode, "reason": why}
 
     def drains(self, room: Room, notify: bool) -> bool:
@@ -82,9 +84,11 @@ class IpcReceivePlane(ReceivePlane):
         # pairing ends). Its AUX, or an ABORT it sent, came after its last copy: nothing writes any more.
         return notify and room.granted and room.aux is None
 
-    def aux_layers(self, room: Room) -> Sequence[int]:
+    def aux_layers(self, room: Room, header: dict[str, Any]) -> Optional[Sequence[int]]:
         if not room.granted:
             raise ProtocolError(f"AUX frame for room {room.room} before its BEGIN was granted")
+        if "layers" in header and not self._announce_locked(room, header["layers"], room.num_tokens):
+            return None
         # The sender saw every copy complete before it sent AUX: the layers have landed.
         return room.announced if len(room.layers) == room.num_layers else ()
 
@@ -101,16 +105,23 @@ class IpcReceivePlane(ReceivePlane):
             if not r.granted:
                 raise ProtocolError(f"{kind} frame for room {room} before its BEGIN was granted")
             # One layer ("layer") or several copied at once ("layers": a prompt's whole run, see send_layers).
-            layers, n = header["layers"] if "layers" in header else [header.get("layer")], header.get("num_tokens")
-            if (not isinstance(layers, list) or not layers
-                    or not all(_is_int(layer) and 0 <= layer < r.num_layers and layer not in r.layers
-                               for layer in layers) or len(set(layers)) != len(layers) or n != r.num_tokens):
-                # Copies stayed inside the granted pages; the sender just disagrees about the room: fail it only.
-                ch.drop_locked(r, "protocol", f"room {room}: bad LAYER announcement (layers {str(layers)[:80]} "
-                                              f"of {r.num_layers}, {n!r} tokens, {r.num_tokens} expected)")
-                return
-            r.layers.update(layers)
-            r.announced.extend(layers)
+            self._announce_locked(r, header["layers"] if "layers" in header else [header.get("layer")],
+                                  header.get("num_tokens"))
+
+    def _announce_locked(self, r: Room, layers: Any, n: Any) -> bool:
+        """Take the sender's word that `layers` (of `n` tokens) were copied into the room's pages; False when the
+        announcement is bad and the room failed instead."""
+        if (not isinstance(layers, list) or not layers
+                or not all(_is_int(layer) and 0 <= layer < r.num_layers and layer not in r.layers for layer in layers)
+                or len(set(layers)) != len(layers) or n != r.num_tokens):
+            # Copies stayed inside the granted pages; the sender just disagrees about the room: fail it only.
+            self.channel.drop_locked(r, "protocol", f"room {r.room}: bad LAYER announcement (layers "
+                                                    f"{str(layers)[:80]} of {r.num_layers}, {n!r} tokens, "
+                                                    f"{r.num_tokens} expected)")
+            return False
+        r.layers.update(layers)
+        r.announced.extend(layers)
+        return True
 
     def _begin_locked(self, peer: Peer, r: Room, header: dict[str, Any]) -> None:
         if r.granted:

@@ -9,9 +9,11 @@ forward that wrote them is before it), across GPUs in a few runs of layers with 
 `pages.copy_across`; on one GPU one scatter by page, or one copy when the pages are one run: `scatter_pages`) by the
 caller's thread when the room was granted already (the stack opens a room while its prompt computes), otherwise by
 the connection's writer thread once GRANT came (in queue order, a room's later sends behind it too); then one LAYER
-announcement naming the layers. The prefill engine's thread never waits for the GPU. The AUX frame and an ABORT go
-out only after the writer synchronised the room's last copy (`drain`), so each tells the decode worker that nothing
-of the room is still being written.
+announcement naming the layers, except for the send that completes the room where the decode worker takes its
+layers in the AUX frame (HELLO_OK's `aux_layers`): finish() follows it, so a whole prompt is BEGIN, GRANT, AUX. The
+page plan is made when the GRANT arrives (the reader thread), not by the first send. The prefill engine's thread
+never waits for the GPU. The AUX frame and an ABORT go out only after the writer synchronised the room's last copy
+(`drain`), so each tells the decode worker that nothing of the room is still being written.
 
 Bounds. Every destination page is checked against the mapped pool's size at `begin`; rows are only written after
 the decode worker granted the room (it checked the pages against its reservation) and only as many as it granted.
@@ -19,6 +21,7 @@ the decode worker granted the room (it checked the pages against its reservation
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any, Optional
@@ -72,7 +75,7 @@ class IpcPairing(SendPairing):
             raise PairAgain(message) from None
         logger.info("KV pair with decode %s: over cuda_ipc (%s), its pool %s mapped on %s", endpoint, why,
                     tuple(remote.shape), remote.device)
-        return IpcSendPlane(remote, self.sender.device)
+        return IpcSendPlane(remote, self.sender.device, announce_in_aux=bool(hello_ok.get("aux_layers")))
 
 
 class _IpcGrant(Grant):
@@ -80,7 +83,7 @@ class _IpcGrant(Grant):
 
     def __init__(self):
         super().__init__()
-        self.plan: Optional[PagePlan] = None  # where the rows go, made at the first copy
+        self.plan: Optional[PagePlan] = None  # where the rows go, made when the GRANT came
         self.last_copy: Any = None  # CUDA event after the room's last queued copy
         self.queued = 0  # sends of the room whose copies wait for the writer thread (the plane's lock held)
 
@@ -95,8 +98,10 @@ class IpcSendPlane(SendPlane):
     # event and a frame per layer and prompt (a visible share of that thread under load).
     streams_layers = False
 
-    def __init__(self, remote: torch.Tensor, device: torch.device):
+    def __init__(self, remote: torch.Tensor, device: torch.device, announce_in_aux: bool = False):
         self.remote = remote  # the decode pool (layers, slots, kv_dim), mapped
+        self.pool_device = remote.device
+        self.announce_in_aux = announce_in_aux  # the decode worker takes a room's last layers in its AUX frame
         # NOTE: on the rows' GPU: across GPUs torch runs the peer copy on the source device's current stream; the
         # scatter runs on the pool's GPU, on a stream of its own there (the same stream on one GPU).
         on_gpus = device.type == "cuda" and remote.device.type == "cuda"
@@ -125,6 +130,9 @@ class IpcSendPlane(SendPlane):
         n = handle.num_tokens
         row_bytes = len(layers) * n * run.shape[-1] * run.element_size()
         chunks = gather_chunks(run, slots, chunk_count(row_bytes) if self.across else 1)
+        announce = not (self.announce_in_aux and handle.all_sent)
+        if not announce:
+            handle.aux_layers.extend(layers)  # the AUX frame, written after this copy completed, announces them
         header = {"layer": layers[0], "num_tokens": n} if len(layers) == 1 else {"layers": layers, "num_tokens": n}
         grant: _IpcGrant = handle.plane_state
         with self._lock:
@@ -132,7 +140,7 @@ class IpcSendPlane(SendPlane):
             if not direct:
                 grant.queued += 1
         if direct:
-            if self._write(handle, layers, chunks):
+            if self._write(handle, layers, chunks) and announce:
                 self.conn.put(handle, LAYER, header)
             return
 
@@ -143,7 +151,7 @@ class IpcSendPlane(SendPlane):
             finally:
                 with self._lock:
                     grant.queued -= 1
-            return self.conn.frame(handle, LAYER, header)
+            return self.conn.frame(handle, LAYER, header) if announce else []
 
         self.conn.queue.put((handle, LAYER, build, None))
 
@@ -154,7 +162,18 @@ class IpcSendPlane(SendPlane):
     # ---- the connection's threads ----
 
     def on_reply(self, header: dict[str, Any], handle: Optional[RoomHandle]) -> bool:
-        return on_grant(header, handle)
+        return on_grant(header, handle, self._plan)
+
+    def _plan(self, handle: RoomHandle, grant: _IpcGrant) -> None:
+        """The room's page plan, made once when its GRANT arrives (the reader thread, while the prompt computes):
+        page_runs is a Python loop over the pages, and the index of scattered pages a copy to the device. Its index
+        is made on the stream of the scatters (which only ever read it there)."""
+        try:
+            with torch.cuda.stream(self.pool_stream) if self.pool_stream is not None else contextlib.nullcontext():
+                grant.plan = plan_pages(handle.dst_pages, grant.tokens, handle.layout.page_size, self.pool_device)
+        except RuntimeError as e:  # the device failed: this pairing cannot be trusted
+            self.conn.break_(KVTransferError("peer_failed", f"planning room {handle.room}'s copy into decode KV "
+                                                            f"endpoint {self.conn.endpoint}'s pool failed: {e}"))
 
     def drain(self, handle: RoomHandle) -> None:
         """Wait (writer thread) until every copy of the room queued so far has completed."""
@@ -171,7 +190,9 @@ class IpcSendPlane(SendPlane):
         with self._lock:
             if self.remote is None:  # the connection ended meanwhile (its rooms failed with it)
                 return False
-            target = self.remote[layers[0]:layers[-1] + 1]  # (layers are consecutive: one layer, or a run)
+            target = self.remote  # (layers are consecutive: one layer, or a run; a whole pool's needs no slice)
+            if layers[0] != 0 or len(layers) != target.shape[0]:
+                target = target[layers[0]:layers[-1] + 1]
             try:
                 self._copy(grant, handle, target, chunks)
             except RuntimeError as e:  # the mapping or the device failed: this pairing cannot be trusted
@@ -182,33 +203,23 @@ class IpcSendPlane(SendPlane):
         return True
 
     def _copy(self, grant: _IpcGrant, handle: RoomHandle, target: torch.Tensor, chunks: list[Chunk]) -> None:
-        stream, n = self.stream, chunks[0].rows.shape[-2]
+        stream, plan = self.stream, grant.plan  # (planned at the GRANT, for the count every send was checked against)
         if stream is None:  # a CPU pool (the CPU tests' fake mapping): the same arithmetic, synchronous
-            plan = self._plan_for(grant, handle, n)
             for c in chunks:
-                scatter_pages(target[c.first:c.first + c.rows.shape[0]], c.rows, plan)
+                scatter_pages(_layers_of(target, c), c.rows, plan)
             return
         if self.stage_stream is None:  # one GPU
             with torch.cuda.stream(stream):
-                plan = self._plan_for(grant, handle, n)  # its index is made on (and only used on) this stream
                 for c in chunks:
                     stream.wait_event(c.ready)
-                    scatter_pages(target[c.first:c.first + c.rows.shape[0]], c.rows, plan)
+                    scatter_pages(_layers_of(target, c), c.rows, plan)
                     c.rows.record_stream(stream)  # the allocator must not hand it out before the copy read it
         else:  # the pool's device's current stream, then the rows': across GPUs both are set at once
             with torch.cuda.stream(self.stage_stream), torch.cuda.stream(stream):
-                plan = self._plan_for(grant, handle, n)  # made on the stage stream, ahead of every scatter
                 copy_across(target, chunks, plan, self.pool_stream)
         done = torch.cuda.Event()
         done.record(self.pool_stream)
         grant.last_copy = done
-
-    def _plan_for(self, grant: _IpcGrant, handle: RoomHandle, num_tokens: int) -> PagePlan:
-        # Once per room, at its first send (every send has the granted count, checked above): page_runs is a Python
-        # loop over the pages, too slow to repeat for every layer.
-        if grant.plan is None:
-            grant.plan = plan_pages(handle.dst_pages, num_tokens, handle.layout.page_size, self.remote.device)
-        return grant.plan
 
     def ended(self) -> None:
         # NOTE: the writer thread is gone and the lock keeps a caller from queueing more; wait for the queued copies,
@@ -223,3 +234,10 @@ class IpcSendPlane(SendPlane):
             except RuntimeError as e:
                 logger.warning("KV connection to %s: waiting for its last copies failed: %s", self.conn.endpoint, e)
             self.remote = None
+
+
+def _layers_of(target: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """The layers of `target` a chunk's rows go to (`target` itself when they are all of them: no slice to make)."""
+    if chunk.first == 0 and chunk.rows.shape[0] == target.shape[0]:
+        return target
+    return target[chunk.first:chunk.first + chunk.rows.shape[0]]

@@ -41,10 +41,13 @@ def open_granted(conn: Any, handle: Any, pool_shape: tuple[int, ...], grant: Gra
     conn.put(handle, BEGIN, {"num_layers": handle.num_layers, "pages": handle.dst_pages})
 
 
-def on_grant(header: dict[str, Any], handle: Any, **fields: Callable[[Any], bool]) -> bool:
+def on_grant(header: dict[str, Any], handle: Any, prepare: Optional[Callable[[Any, Any], None]] = None,
+             **fields: Callable[[Any], bool]) -> bool:
     """`SendPlane.on_reply` for GRANT (False for another reply): its token count and each of `fields` (name ->
     whether a value is valid) checked, ProtocolError otherwise; then set on the room's grant (as attributes of the
-    same names), which releases its writer."""
+    same names), which releases its writer. `prepare(handle, grant)` runs before that (the reader thread): where the
+    rows go is worked out here, while the room's prompt computes, not by its first send; a ValueError from it (a
+    count the pages BEGIN named cannot hold) fails the room."""
     if header.get("kind") != GRANT:
         return False
     n, values = header.get("num_tokens"), {name: header.get(name) for name in fields}
@@ -57,6 +60,12 @@ def on_grant(header: dict[str, Any], handle: Any, **fields: Callable[[Any], bool
         grant.tokens = n
         for name, value in values.items():
             setattr(grant, name, value)
+        if prepare is not None:
+            try:
+                prepare(handle, grant)
+            except ValueError as e:
+                handle._fail("protocol", f"room {handle.room}: its GRANT of {n} tokens does not fit the pages it "
+                                         f"was opened with: {e}")
         grant.granted.set()
     return True
 

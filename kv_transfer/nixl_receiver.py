@@ -6,6 +6,8 @@ At BEGIN the room's pages are checked against its reservation. Pages in few runs
 per layer and run); pages scattered into more than `MAX_DIRECT_RUNS` runs would cost a descriptor per page, so the
 room gets a block of the staging area `(num_layers, tokens, kv_dim)` instead (when one is free: otherwise in place
 all the same) and each LAYER announcement scatters its layers from there into the pages (`pages.scatter_pages`).
+An AUX frame may announce the layers of the room's last send itself (HELLO_OK's `aux_layers` tells the sender it
+may): a whole prompt's rows then land with the AUX, in one scatter when staged.
 
 A granted room that fails here (cancel, timeout, a bad frame) while WRITEs may still land in its memory is
 *draining*: the sender is told, and answers ABORT once its WRITEs resolved; only then are its pages and its staging
@@ -94,7 +96,7 @@ class NixlReceivePlane(ReceivePlane):
         if problem:
             return problem
         logger.info("KV receiver %s paired with prefill %s over nixl", self.channel.endpoint, peer.addr)
-        return self, {"transport": NIXL, "nixl": self._hello}
+        return self, {"transport": NIXL, "nixl": self._hello, "aux_layers": True}
 
     # ---- rooms (the channel's lock held) ----
 
@@ -103,10 +105,13 @@ class NixlReceivePlane(ReceivePlane):
         # the announcement of its last layer, came after its last WRITE resolved: nothing writes any more.
         return notify and room.granted and room.aux is None and len(room.layers) < room.num_layers
 
-    def aux_layers(self, room: Room) -> Sequence[int]:
+    def aux_layers(self, room: Room, header: dict[str, Any]) -> Optional[Sequence[int]]:
         if not room.granted:
             raise ProtocolError(f"AUX frame for room {room.room} before its BEGIN was granted")
-        return ()  # every layer landed at its announcement
+        if "layers" not in header:
+            return ()  # every layer landed at its announcement
+        # The AUX came after every WRITE of the room resolved: the layers it names are in (staged: scattered here).
+        return header["layers"] if self._announce_locked(room, header["layers"], room.num_tokens) else None
 
     def on_frame(self, peer: Peer, kind: str, room: int, header: dict[str, Any], payload: torch.Tensor) -> None:
         if payload.numel():
@@ -122,21 +127,28 @@ class NixlReceivePlane(ReceivePlane):
                 return self._begin_locked(peer, r, header)
             if not r.granted:
                 raise ProtocolError(f"{kind} frame for room {room} before its BEGIN was granted")
-            layers, n = header["layers"] if "layers" in header else [header.get("layer")], header.get("num_tokens")
-            if (not isinstance(layers, list) or not layers or not all(_is_int(x) for x in layers)
-                    or layers != list(range(layers[0], layers[0] + len(layers)))
-                    or not (0 <= layers[0] and layers[-1] < r.num_layers) or r.layers.intersection(layers)
-                    or n != r.num_tokens):
-                # The WRITEs stayed inside the granted memory; the sender just disagrees about the room: fail it only.
-                ch.drop_locked(r, "protocol", f"room {room}: bad LAYER announcement (layers {str(layers)[:80]} "
-                                              f"of {r.num_layers}, {n!r} tokens, {r.num_tokens} expected)")
-                return
-            block = self._blocks.get(r)
-            if block is not None:
-                self._scatter(r, layers, block)
-            ch.land_locked(r, layers)
-            if block is not None and len(r.layers) == r.num_layers:
+            layers = header["layers"] if "layers" in header else [header.get("layer")]
+            if self._announce_locked(r, layers, header.get("num_tokens")):
+                ch.land_locked(r, layers)
+
+    def _announce_locked(self, r: Room, layers: Any, n: Any) -> bool:
+        """The sender says the WRITEs of `layers` (of `n` tokens) are DONE: a staged room's are scattered into its
+        pages now. False when the announcement is bad and the room failed instead."""
+        if (not isinstance(layers, list) or not layers or not all(_is_int(x) for x in layers)
+                or layers != list(range(layers[0], layers[0] + len(layers)))
+                or not (0 <= layers[0] and layers[-1] < r.num_layers) or r.layers.intersection(layers)
+                or n != r.num_tokens):
+            # The WRITEs stayed inside the granted memory; the sender just disagrees about the room: fail it only.
+            self.channel.drop_locked(r, "protocol", f"room {r.room}: bad LAYER announcement (layers "
+                                                    f"{str(layers)[:80]} of {r.num_layers}, {n!r} tokens, "
+                                                    f"{r.num_tokens} expected)")
+            return False
+        block = self._blocks.get(r)
+        if block is not None:
+            self._scatter(r, layers, block)
+            if len(r.layers) + len(layers) == r.num_layers:
                 del self._blocks[r]  # every layer scattered: nothing reads or writes it any more
+        return True
 
     def _begin_locked(self, peer: Peer, r: Room, header: dict[str, Any]) -> None:
         ch = self.channel

@@ -13,7 +13,9 @@ thread never waits for the link.
 Writer thread, per LAYER item (one `send`) in queue order: wait for the room's GRANT (`grants.py`); post one WRITE per
 run as soon as its gather is done, without waiting for the earlier ones (one descriptor per layer and page run into
 the decode pool, or one descriptor into the room's staging block when the decode worker granted one: its pages are
-scattered); poll them until every one resolved; then one LAYER frame names the send's layers. NIXL reports a WRITE
+scattered); poll them until every one resolved; then one LAYER frame names the send's layers, except for the send
+that completes the room where the decode worker takes its layers in the AUX frame (HELLO_OK's `aux_layers`), which
+follows it. The page runs of a room written in place are worked out when its GRANT arrives (the reader thread). NIXL reports a WRITE
 DONE once its data is in the peer's memory, so a LAYER frame always follows its rows and the AUX or an ABORT (after
 every WRITE of the room resolved) tells the decode worker that nothing of the room is still being written. A WRITE in
 ERR means the link to the decode worker failed: the connection breaks and its rooms fail (peer_failed).
@@ -154,7 +156,7 @@ class NixlPairing(SendPairing):
             raise
         logger.info("KV pair with decode %s: over nixl (UCX: %s), its pool %s %s", endpoint, ucx, decode.pool_shape,
                     decode.pool.mem_type)
-        return NixlSendPlane(self, peer, ucx, decode, arena)
+        return NixlSendPlane(self, peer, ucx, decode, arena, announce_in_aux=bool(hello_ok.get("aux_layers")))
 
     def _first_write(self, endpoint: str, peer: str, probe: RemoteMemory) -> str:
         """One small WRITE into the decode worker's probe: the pairing's data path works before any room relies on
@@ -192,7 +194,7 @@ class _NixlGrant(Grant):
     def __init__(self):
         super().__init__()
         self.staging: Optional[int] = None  # offset of the room's block in the decode worker's staging area
-        self.runs: Optional[tuple[tuple[int, int, int], ...]] = None  # page runs of the room, made at its first WRITE
+        self.runs: Optional[tuple[tuple[int, int, int], ...]] = None  # page runs of the room (in place), at GRANT
 
 
 class _Rows:
@@ -211,8 +213,10 @@ class NixlSendPlane(SendPlane):
     # WRITE overlaps the layers still being computed.
     streams_layers = True
 
-    def __init__(self, pairing: NixlPairing, peer: str, ucx: str, decode: DecodeMemory, arena: Arena):
+    def __init__(self, pairing: NixlPairing, peer: str, ucx: str, decode: DecodeMemory, arena: Arena,
+                 announce_in_aux: bool = False):
         self.pairing, self.agent, self.peer, self.ucx = pairing, pairing.agent, peer, ucx
+        self.announce_in_aux = announce_in_aux  # the decode worker takes a room's last layers in its AUX frame
         self.pool, self.pool_shape, self.staging, self.arena = decode.pool, decode.pool_shape, decode.staging, arena
         self.device = arena.tensor.device
         self.local_mem = "VRAM" if self.device.type == "cuda" else "DRAM"
@@ -235,7 +239,10 @@ class NixlSendPlane(SendPlane):
         step = max(1, min(self.arena.nbytes // 2 // layer_bytes, -(-len(layers) // runs)))
         items = [self._gather(handle, layers[first:first + step], src[first:first + step], slots)
                  for first in range(0, len(layers), step)]
-        self.conn.queue.put((handle, LAYER, lambda: self._write(handle, items), None))
+        announce = not (self.announce_in_aux and handle.all_sent)
+        if not announce:
+            handle.aux_layers.extend(layers)  # the AUX frame, queued behind these WRITEs, announces them
+        self.conn.queue.put((handle, LAYER, lambda: self._write(handle, items, announce), None))
 
     def _gather(self, handle: RoomHandle, layers: list[int], src: torch.Tensor, slots: Optional[torch.Tensor]) -> _Rows:
         n = handle.num_tokens
@@ -264,34 +271,44 @@ class NixlSendPlane(SendPlane):
     # ---- the connection's threads ----
 
     def on_reply(self, header: dict[str, Any], handle: Optional[RoomHandle]) -> bool:
-        return on_grant(header, handle, staging=lambda v: v is None or isinstance(v, int) and v >= 0)
+        return on_grant(header, handle, self._plan, staging=lambda v: v is None or isinstance(v, int) and v >= 0)
 
-    def _write(self, handle: RoomHandle, items: list[_Rows]) -> Any:
+    @staticmethod
+    def _plan(handle: RoomHandle, grant: _NixlGrant) -> None:
+        # At the GRANT (the reader thread, while the prompt computes): page_runs is a Python loop over the pages.
+        if grant.staging is None:
+            grant.runs = plan_pages(handle.dst_pages, grant.tokens, handle.layout.page_size).runs
+
+    def _write(self, handle: RoomHandle, items: list[_Rows], announce: bool = True) -> Any:
         """Writer thread: every run of the send WRITTEN into the room's granted memory, the WRITEs in flight together,
         each announced (a LAYER frame) as soon as it is DONE, in order; returns the last run's frame (written by the
-        writer loop), or None when the room failed instead (after every WRITE it started resolved)."""
+        writer loop; [] when `announce` is False: the AUX frame announces them), or None when the room failed instead
+        (after every WRITE it started resolved)."""
         if not await_grant(handle, items[0].rows.shape[1]):
             return None
         inflight: list[tuple[_Rows, Any, Any]] = []  # (run, its WRITE, what keeps the WRITE's source valid)
         frames: list[Any] = []  # announcements of the runs DONE, the last one not written yet
         for item in items:
             if item.block is None and inflight:  # its rows wait for the arena room the WRITEs in flight hold
-                if not self._resolve(handle, inflight, frames):
+                if not self._resolve(handle, inflight, frames, announce):
                     return None
                 inflight = []
             try:
                 xfer, holder = self._start(handle, item)
             except KVTransferError as e:
-                self._resolve(handle, inflight, frames)
+                self._resolve(handle, inflight, frames, announce)
                 handle._fail(e.kind, e.message)
                 return None
             if xfer is None:
-                self._resolve(handle, inflight, frames)
+                self._resolve(handle, inflight, frames, announce)
                 return None
             inflight.append((item, xfer, holder))
-        return frames[-1] if self._resolve(handle, inflight, frames) else None
+        if not self._resolve(handle, inflight, frames, announce):
+            return None
+        return frames[-1] if announce else []
 
-    def _resolve(self, handle: RoomHandle, inflight: list[tuple[_Rows, Any, Any]], frames: list[Any]) -> bool:
+    def _resolve(self, handle: RoomHandle, inflight: list[tuple[_Rows, Any, Any]], frames: list[Any],
+                 announce: bool = True) -> bool:
         """Wait for every WRITE of `inflight` in order (each runs to its end or its error even when its room failed:
         the room's ABORT must come after them all), announcing each run once it is DONE (the one before it is written
         then, the last left in `frames`); True when all are DONE and the room still stands."""
@@ -313,6 +330,8 @@ class NixlSendPlane(SendPlane):
             handle.bytes_sent += item.rows.numel() * item.rows.element_size()
             if not ok or handle.status.state == TransferState.FAILED:
                 ok = False
+                continue
+            if not announce:
                 continue
             if frames and not self.conn.write_now(frames.pop()):  # the run before it: the decode worker lands it now
                 ok = False
@@ -338,8 +357,6 @@ class NixlSendPlane(SendPlane):
             remote = [(self.staging.addr + first, nbytes, self.staging.device)]
             remote_mem = self.staging.mem_type
         else:
-            if grant.runs is None:  # once per room: page_runs is a Python loop over the pages
-                grant.runs = plan_pages(handle.dst_pages, n, handle.layout.page_size).runs
             layer_bytes = self.pool_shape[1] * row_bytes
             remote = [(self.pool.addr + layer * layer_bytes + slot * row_bytes, count * row_bytes, self.pool.device)
                       for layer in layers for _, slot, count in grant.runs]

@@ -64,7 +64,14 @@ def scatter_pages(layer_kv: torch.Tensor, rows: torch.Tensor, plan: PagePlan) ->
         raise ValueError(f"rows on {rows.device}, the pool on {layer_kv.device}: copy_across moves them")
     if plan.full_pages is None:
         for src, dst, count in plan.runs:  # one run is one copy
-            layer_kv[..., dst:dst + count, :].copy_(rows[..., src:src + count, :], non_blocking=True)
+            out = layer_kv[..., dst:dst + count, :]
+            part = rows if src == 0 and count == rows.shape[-2] else rows[..., src:src + count, :]
+            # NOTE: a run of several layers is strided in the pool (one block per layer), which torch copies one
+            # element per step like index_copy_: as wider elements the same bytes take fewer steps.
+            word = _widest_word(out, part) if out.dim() > 2 else None
+            if word is not None:
+                out, part = out.view(word), part.view(word)
+            out.copy_(part, non_blocking=True)
         return
     ps, kv_dim, lead = plan.page_size, layer_kv.shape[-1], layer_kv.shape[:-2]
     full = plan.full_pages.numel()

@@ -127,8 +127,9 @@ class ReceivePlane(ABC):
     def on_frame(self, peer: Peer, kind: str, room: int, header: dict[str, Any], payload: torch.Tensor) -> None:
         """A frame of `frames` for `room`; raise ProtocolError for one that ends the connection."""
 
-    def aux_layers(self, room: Room) -> Sequence[int]:
-        """Before the room's AUX is taken: the layers it completes (delivered to on_layer then); raise
+    def aux_layers(self, room: Room, header: dict[str, Any]) -> Optional[Sequence[int]]:
+        """Before the room's AUX (`header`) is taken: the layers it completes (delivered to on_layer then), None when
+        it failed the room instead (a bad `layers` announcement in it, on the planes that take one); raise
         ProtocolError if the room may not have its AUX yet."""
         return ()
 

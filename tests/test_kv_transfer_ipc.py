@@ -337,7 +337,8 @@ def test_a_granted_rooms_rows_are_copied_on_the_callers_thread_and_an_ungranted_
 
 def test_a_prompts_layers_go_in_one_copy_and_one_announcement(cleanup):
     """send_layers (the prefill engine's call on a cuda_ipc pairing) gathers a run of layers from the prefill pool
-    at once and announces it in one LAYER frame; the decode worker still hears of every layer, in order."""
+    at once and announces it in one LAYER frame; the send that completes the room is announced by its AUX frame
+    (no LAYER frame of its own); the decode worker still hears of every layer, in order."""
     decode = ipc_decode(cleanup)
     s = ipc_sender(cleanup)
     frames = []
@@ -358,7 +359,7 @@ def test_a_prompts_layers_go_in_one_copy_and_one_announcement(cleanup):
     h.finish(AUX)
     h.wait(timeout=5)
     decode.rec.wait_for(lambda: decode.rec.done)
-    assert [f for f in frames if f[0] == "LAYER"] == [("LAYER", list(range(LAYERS - 1))), ("LAYER", LAYERS - 1)]
+    assert [f for f in frames if f[0] in ("LAYER", "AUX")] == [("LAYER", list(range(LAYERS - 1))), ("AUX", [LAYERS - 1])]
     assert [(room, layer) for room, layer, _, _ in decode.rec.layers] == [(7, layer) for layer in range(LAYERS)]
     slots = token_slots(dst, TOKENS, PAGE)
     for layer in range(LAYERS):
@@ -380,6 +381,76 @@ def test_a_bad_announcement_of_several_layers_fails_only_its_room(cleanup, layer
     h2, pages = send(s, decode, 9)  # the pairing goes on
     h2.wait(timeout=5)
     assert landed(decode, 9, pages)
+
+
+@pytest.mark.parametrize("layers", [[0], [LAYERS - 1, LAYERS - 1], [LAYERS], "2"])
+def test_a_bad_announcement_in_the_aux_fails_only_its_room(cleanup, layers):
+    """The AUX frame that announces the room's last layers is checked like a LAYER frame: a layer already announced,
+    one outside the room or a malformed list fails that room (protocol), and the pairing goes on."""
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    h, _ = send(s, decode, 8, layers=range(LAYERS - 1), finish=False)  # layers 0 .. L-2 announced by LAYER frames
+    h.send_layer(LAYERS - 1, rows_of(8)[LAYERS - 1])
+    assert h.aux_layers == [LAYERS - 1]  # the last send: announced by the AUX frame
+    h.aux_layers = layers
+    h.finish(AUX)
+    with pytest.raises(KVTransferError) as err:
+        h.wait(timeout=5)
+    assert err.value.kind == "protocol" and "bad LAYER announcement" in str(err.value)
+    decode.rec.wait_for(lambda: decode.rec.failed)
+    assert decode.idle and not decode.rec.done
+    h2, pages = send(s, decode, 9)
+    h2.wait(timeout=5)
+    assert landed(decode, 9, pages)
+
+
+def test_a_decode_worker_that_does_not_take_layers_in_the_aux_gets_every_layer_announced(cleanup, monkeypatch):
+    """HELLO_OK without `aux_layers` (a decode worker that only counts LAYER frames): the room's last send gets its
+    own LAYER frame as before, and the AUX names no layers."""
+    decode = ipc_decode(cleanup)
+    pair = decode.receiver.plane.pair
+    monkeypatch.setattr(decode.receiver.plane, "pair", lambda peer, hello: (
+        lambda plane, fields: (plane, {k: v for k, v in fields.items() if k != "aux_layers"}))(*pair(peer, hello)))
+    s = ipc_sender(cleanup)
+    frames = []
+    on_data = decode.receiver._on_data
+    decode.receiver._on_data = lambda conn, kind, header, payload: (
+        frames.append((kind, header.get("layers", header.get("layer")))), on_data(conn, kind, header, payload))[1]
+    pages = decode.reserve(5, TOKENS)
+    h = s.begin(decode.receiver.endpoint, 5, LAYERS, dst_pages=pages)
+    h.send_layers(0, rows_of(5))
+    h.finish(AUX)
+    h.wait(timeout=5)
+    decode.rec.wait_for(lambda: decode.rec.done)
+    assert [f for f in frames if f[0] in ("LAYER", "AUX")] == [("LAYER", list(range(LAYERS))), ("AUX", None)]
+    assert landed(decode, 5, pages)
+
+
+def test_the_page_plan_is_made_when_the_grant_arrives(cleanup):
+    """The room's page plan is worked out by the connection's reader thread at GRANT (while the prompt computes),
+    so the first send only gathers and copies; a GRANT of more tokens than the pages BEGIN named can hold fails the
+    room (protocol) and the decode worker is told (ABORT)."""
+    decode = ipc_decode(cleanup)
+    s = ipc_sender(cleanup)
+    dst = decode.reserve(20, TOKENS)
+    h = s.begin(decode.receiver.endpoint, 20, LAYERS, dst_pages=dst)
+    assert h.plane_state.granted.wait(5)
+    plan = h.plane_state.plan
+    assert plan is not None and plan.num_tokens == TOKENS and plan.runs == plan_pages(dst, TOKENS, PAGE).runs
+    h.send_layers(0, rows_of(20))
+    h.finish(AUX)
+    h.wait(timeout=5)
+    assert h.plane_state.plan is plan and landed(decode, 20, dst)
+
+    pages = decode.reserve(21, 4 * PAGE, decode.pool.allocator.alloc(4))
+    with decode.receiver.lock:  # the real GRANT waits: a forged one, for more rows than the pages hold, comes first
+        h = s.begin(decode.receiver.endpoint, 21, LAYERS, dst_pages=pages)
+        assert h._conn.plane.on_reply({"kind": "GRANT", "room": 21, "num_tokens": 5 * PAGE}, h)
+    with pytest.raises(KVTransferError) as err:
+        h.wait(timeout=5)
+    assert err.value.kind == "protocol" and "does not fit the pages" in str(err.value)
+    decode.rec.wait_for(lambda: len(decode.rec.failed) == 1)  # its ABORT released the pages
+    assert decode.idle
 
 
 @pytest.mark.parametrize("sender_ipc, decode_ipc, why", [

@@ -116,7 +116,7 @@ def test_rows_land_bit_identical_in_the_pages(cleanup, dtype, pages, staging_byt
 def test_layers_land_as_their_writes_complete_before_the_aux(cleanup):
     """Layer-wise: each send is one WRITE and one announcement, and the decode worker hears of a layer while the
     prompt's later layers are still being computed; a run of layers (send_layers, gathered from the prefill pool by
-    slot) is one WRITE too."""
+    slot) is one WRITE too. The send that completes the room is announced by the AUX frame that follows it."""
     decode = nixl_decode(cleanup)
     s = nixl_sender(cleanup)
     frames = []
@@ -130,13 +130,13 @@ def test_layers_land_as_their_writes_complete_before_the_aux(cleanup):
     assert h.streams_layers is True
     h.send_rows(0, prefill_pool[0], src_slots)
     decode.rec.wait_for(lambda: decode.rec.layers)  # landed before the next layer was even sent
-    h.send_layers(1, prefill_pool[1:], src_slots)
-    decode.rec.wait_for(lambda: len(decode.rec.layers) == LAYERS)
+    h.send_layers(1, prefill_pool[1:], src_slots)  # the room's last layers: its AUX announces them
     assert not decode.rec.done, "AUX not sent yet: the room is not done"
     h.finish(AUX)
     h.wait(timeout=10)
     decode.rec.wait_for(lambda: decode.rec.done)
-    assert [f for f in frames if f[0] == "LAYER"] == [("LAYER", 0), ("LAYER", [1, 2])]
+    assert [f for f in frames if f[0] in ("LAYER", "AUX")] == [("LAYER", 0), ("AUX", [1, 2])]
+    assert [(room, layer) for room, layer, _, _ in decode.rec.layers] == [(7, layer) for layer in range(LAYERS)]
     slots = token_slots(pages, TOKENS, PAGE)
     for layer in range(LAYERS):
         assert torch.equal(decode.pool.kv[layer, slots], prefill_pool[layer, src_slots])
@@ -208,8 +208,8 @@ def test_a_run_of_layers_larger_than_half_the_arena_goes_as_several_writes(clean
     """A whole prompt handed over at once (send_layers, e.g. a prompt bound after its forward) whose rows exceed half
     the send arena: one WRITE and one announcement per piece that fits, so the arena bounds the memory in transit.
     The WRITEs are in flight together as far as the arena holds their rows (two pieces here): the next is posted
-    before the first is polled, so they overlap rather than take turns; each piece is announced once its own WRITE
-    is DONE, in order."""
+    before the first is polled, so they overlap rather than take turns. The send completes the room, so the AUX frame
+    after every WRITE announces all its pieces at once."""
     decode = nixl_decode(cleanup)
     s = nixl_sender(cleanup, arena_bytes=2 * TOKENS * KV_DIM * 4 + 256)  # half of it: one layer's rows
     send(s, decode, 3)[0].wait(timeout=10)  # pairs
@@ -227,7 +227,7 @@ def test_a_run_of_layers_larger_than_half_the_arena_goes_as_several_writes(clean
     h.finish(AUX)
     h.wait(timeout=10)
     decode.rec.wait_for(lambda: len(decode.rec.done) == 2)
-    assert [f for f in frames if f[0] == "LAYER"] == [("LAYER", layer) for layer in range(LAYERS)]
+    assert [f for f in frames if f[0] in ("LAYER", "AUX")] == [("AUX", list(range(LAYERS)))]
     assert landed(decode, 4, pages)
     assert calls[:2] == ["write", "write"] and calls.count("write") == LAYERS, calls[:8]
 
