@@ -7,6 +7,7 @@ single-process engine's."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -51,8 +52,11 @@ def timed_chunks(address: str, prompt, params: SamplingParams) -> tuple[list[tup
 
 def test_the_first_token_comes_with_the_prefill_answer_ahead_of_the_decode_worker(slow_kv_stack, reference):
     outputs, _ = reference
-    for i in (0, 3):  # ASCII, and multi-byte characters split across tokens
-        chunks, output_ids = timed_chunks(slow_kv_stack.router.address, PROMPTS[i], GREEDY)
+    cases = (0, 3)  # ASCII, and multi-byte characters split across tokens
+    # Side by side: each request's KV waits DELAY_S on its own timer, so neither waits for the other's.
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs = list(pool.map(lambda i: timed_chunks(slow_kv_stack.router.address, PROMPTS[i], GREEDY), cases))
+    for i, (chunks, output_ids) in zip(cases, runs, strict=True):
         (t1, first, text1), (t2, _, _) = chunks[0], chunks[1]
         assert first == outputs[i].output_ids[:1] and t1 < DELAY_S / 2 <= DELAY_S <= t2, chunks
         assert [t for _, ids, _ in chunks for t in ids] == output_ids == outputs[i].output_ids
@@ -65,10 +69,13 @@ def test_the_first_token_comes_with_the_prefill_answer_ahead_of_the_decode_worke
 def test_a_first_token_that_ends_the_request_or_has_logprobs_comes_from_the_decode_worker(slow_kv_stack, reference):
     outputs, _ = reference
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    chunks, output_ids = timed_chunks(slow_kv_stack.router.address, PROMPTS[0], one)
-    assert output_ids == outputs[0].output_ids[:1] and chunks[0][0] >= DELAY_S, chunks
     with_logprobs = SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=2)
-    chunks, output_ids = timed_chunks(slow_kv_stack.router.address, PROMPTS[0], with_logprobs)
+    with ThreadPoolExecutor(2) as pool:  # side by side, as above
+        ended, logprobs = pool.map(lambda p: timed_chunks(slow_kv_stack.router.address, PROMPTS[0], p),
+                                   (one, with_logprobs))
+    chunks, output_ids = ended
+    assert output_ids == outputs[0].output_ids[:1] and chunks[0][0] >= DELAY_S, chunks
+    chunks, output_ids = logprobs
     assert output_ids == outputs[0].output_ids[:3] and chunks[0][0] >= DELAY_S, chunks
 
 

@@ -158,10 +158,11 @@ def _timed(call) -> float:
 def test_health_and_load_are_answered_while_the_engine_is_busy(tiny_v3_dir, tmp_path):
     """The prefill worker's engine thread spends 4 s in its first forward; meanwhile its health checks and GetLoad
     (the router's heartbeat) answer in milliseconds."""
-    # (The router skips its warm-up too: its request through the pair would take the slow first forward.)
+    # (The router skips its warm-up too: its request through the pair would take the slow first forward. Only the
+    # prefill worker is slowed: the checks are its own, and a slow decode forward after them would add its seconds
+    # to the test and nothing to what it checks.)
     stack = start_stack(tiny_v3_dir, tmp_path, engine_args=["--skip-warmup"], router_args=["--skip-warmup"],
-                        prefill_env=hooks_env(PDTEST_PREFILL_SLOW_FIRST_FORWARD_S=4),
-                        decode_env=hooks_env(PDTEST_DECODE_SLOW_FIRST_FORWARD_S=4))
+                        prefill_env=hooks_env(PDTEST_PREFILL_SLOW_FIRST_FORWARD_S=4))
     try:
         done = threading.Event()
         result = {}
