@@ -3,12 +3,15 @@ every user error exits 2 with one line naming the problem, make-tiny-model write
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -67,9 +70,14 @@ def engine_for(model_dir) -> LLMEngine:
 
 
 # ---- generate -------------------------------------------------------------------------------------------------------
-def test_generate_json_matches_engine(tiny_v3_dir):
-    proc = pdserve("generate", "--model", tiny_v3_dir, "--device", "cpu", "--input-ids", "1,2,3",
-                   "--max-new-tokens", "5", "--json")
+GENERATE_RUNS = {  # the generate runs of the two tests below (started by cli_runs)
+    "json": ["--input-ids", "1,2,3", "--max-new-tokens", "5", "--json"],
+    "prompt": ["--prompt", "The router sends each request", "--max-new-tokens", "6", "--ignore-eos"],
+}
+
+
+def test_generate_json_matches_engine(tiny_v3_dir, cli_runs):
+    proc, _ = cli_runs["json"]
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, proc.stdout  # progress goes to stderr, never into the JSON
@@ -83,10 +91,9 @@ def test_generate_json_matches_engine(tiny_v3_dir):
     assert out["output_ids"] == ref.output_ids and out["text"] == ref.new_text
 
 
-def test_generate_prompt_uses_the_tokenizer(tiny_v3_dir):
-    prompt = "The router sends each request"
-    proc = pdserve("generate", "--model", tiny_v3_dir, "--device", "cpu", "--prompt", prompt,
-                   "--max-new-tokens", "6", "--ignore-eos")
+def test_generate_prompt_uses_the_tokenizer(tiny_v3_dir, cli_runs):
+    prompt = GENERATE_RUNS["prompt"][1]
+    proc, _ = cli_runs["prompt"]
     assert proc.returncode == 0, proc.stderr
 
     engine = engine_for(tiny_v3_dir)
@@ -152,17 +159,46 @@ ERROR_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def cli_runs(tiny_v3_dir, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, list[str]]]:
+    """The CLI runs of the generate tests above and the user-error tests below, all started at once (most import
+    torch and load the model: a second or two of one core each, side by side on the cores there are), each error
+    case in a folder of its own: name -> (the finished process, the parts its error line must name)."""
+    def generate(case: str):
+        tmp_path = tmp_path_factory.mktemp(f"error-{case}")
+
+        def copy_model(src, name="model"):
+            dst = tmp_path / name
+            shutil.copytree(src, dst)
+            return dst
+
+        args, parts = ERROR_CASES[case](tiny_v3_dir, copy_model, tmp_path)
+        return pdserve("generate", "--device", "cpu", "--max-new-tokens", "2", *args), parts
+
+    def nccl(role: str):
+        return pdserve(role, "--model", tiny_v3_dir, "--device", "cpu", "--kv-transport", "nccl", timeout=60), []
+
+    def works(name: str):
+        return pdserve("generate", "--model", tiny_v3_dir, "--device", "cpu", *GENERATE_RUNS[name]), []
+
+    runs = {**{name: functools.partial(works, name) for name in GENERATE_RUNS},
+            **{case: functools.partial(generate, case) for case in ERROR_CASES},
+            **{f"nccl-{role}": functools.partial(nccl, role) for role in ("prefill", "decode")}}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(run) for name, run in runs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 @pytest.mark.parametrize("case", list(ERROR_CASES))
-def test_generate_user_errors_exit_2_with_one_line(case, tiny_v3_dir, copy_model, tmp_path):
-    args, parts = ERROR_CASES[case](tiny_v3_dir, copy_model, tmp_path)
-    proc = pdserve("generate", "--device", "cpu", "--max-new-tokens", "2", *args)
+def test_generate_user_errors_exit_2_with_one_line(case, cli_runs):
+    proc, parts = cli_runs[case]
     assert_one_line_error(proc, "generate", *parts)
 
 
 # ---- workers ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_nccl_on_a_cpu_worker_exits_2_before_loading_the_model(role, tiny_v3_dir):
-    proc = pdserve(role, "--model", tiny_v3_dir, "--device", "cpu", "--kv-transport", "nccl", timeout=60)
+def test_nccl_on_a_cpu_worker_exits_2_before_loading_the_model(role, cli_runs):
+    proc, _ = cli_runs[f"nccl-{role}"]
     line = assert_one_line_error(proc, role)
     assert line == (f"pdserve {role}: error: --kv-transport nccl needs a CUDA device; this worker runs on cpu: use "
                     "tcp or auto or gloo or nixl")
