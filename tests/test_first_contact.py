@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -397,21 +398,29 @@ def test_sglang_bench_serving_request_shapes(up, path, payload):
 # ---- signals: last, the first one kills the module's stack ------------------------------------------------------
 def test_ctrl_c_at_any_moment_exits_0_without_a_traceback(tmp_path):
     """Ctrl-C while the workers start and right at "is up"; SIGHUP (the terminal closed) stops it the same way."""
-    for when, flags, sig in (("starting", (), signal.SIGINT),
-                             ("pdserve is up", ("--no-http", "--no-metrics"), signal.SIGINT),
-                             ("pdserve is up", (), signal.SIGHUP)):
+    def case(when: str, flags: tuple, sig: signal.Signals) -> None:
         u = Up(tmp_path, "--skip-warmup", "--page-size", "4", *flags, name=when.replace(" ", "-") + sig.name)
-        deadline = time.monotonic() + 120
-        while when not in u.text():
-            assert u.proc.poll() is None and time.monotonic() < deadline, u.text()[-2000:]
-            time.sleep(0.02)
-        workers = u.workers()
-        u.proc.send_signal(sig)
-        assert u.proc.wait(30) == 0, u.text()[-2000:]
+        try:
+            deadline = time.monotonic() + 120
+            while when not in u.text():
+                assert u.proc.poll() is None and time.monotonic() < deadline, u.text()[-2000:]
+                time.sleep(0.02)
+            workers = u.workers()
+            u.proc.send_signal(sig)
+            assert u.proc.wait(30) == 0, u.text()[-2000:]
+        finally:
+            u.stop()
         assert not any(alive(w) for w in workers), "workers outlived `pdserve up`"
         assert "Traceback" not in u.text() and "Event loop is closed" not in u.text(), u.text()[-3000:]
         if flags:  # nothing listens on the ports those flags turned off
             assert "OpenAI HTTP API" not in u.text() and "metrics" not in u.text().split("pdserve is up")[1]
+
+    # The three `pdserve up`s side by side (each on ports of its own): their start-ups overlap.
+    with ThreadPoolExecutor(3) as pool:
+        for f in [pool.submit(case, *c) for c in (("starting", (), signal.SIGINT),
+                                                  ("pdserve is up", ("--no-http", "--no-metrics"), signal.SIGINT),
+                                                  ("pdserve is up", (), signal.SIGHUP))]:
+            f.result()
 
 
 def test_sigkill_of_up_leaves_no_worker_alive(up):
@@ -466,34 +475,52 @@ def test_readme_examples_run_as_written_against_demo_sh(tmp_path):
 
 
 def test_generate_defaults_to_the_demo_model_and_finds_relative_paths_from_anywhere(tmp_path):
+    def generate(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdserve", "generate", *flags], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    ids = ("--input-ids", "5,6,7", "--max-new-tokens", "3", "--json")
+    with ThreadPoolExecutor(3) as pool:  # side by side: each loads torch and the model on its own
+        default, relative, missing = pool.map(lambda flags: generate(*flags), [
+            ids, ("--model", "models/tiny-trained", *ids), ("--model", "models/nope", "--input-ids", "5")])
     outputs = []
-    for flags in ([], ["--model", "models/tiny-trained"]):
-        out = subprocess.run([sys.executable, "-m", "pdserve", "generate", *flags, "--input-ids", "5,6,7",
-                              "--max-new-tokens", "3", "--json"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=120)
+    for out in (default, relative):
         assert out.returncode == 0, out.stderr
         outputs.append(json.loads(out.stdout)["output_ids"])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 3
-    missing = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--model", "models/nope", "--input-ids",
-                              "5"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "--model models/nope: the directory does not exist" in missing.stderr
 
 
-@pytest.mark.parametrize("role, flag", [("prefill", "--metrics-port"), ("decode", "--metrics-port"),
-                                        ("prefill", "--port"), ("router", "--metrics-port"),
-                                        ("router", "--http-port")])
-def test_lone_processes_name_the_taken_port_without_a_traceback(role, flag, tmp_path):
+TAKEN_PORT_CASES = [("prefill", "--metrics-port"), ("decode", "--metrics-port"), ("prefill", "--port"),
+                    ("router", "--metrics-port"), ("router", "--http-port")]
+
+
+@pytest.fixture(scope="module")
+def taken_port_runs(tmp_path_factory) -> dict[tuple[str, str], tuple[int, subprocess.CompletedProcess]]:
+    """Each lone process of the test below started on a port a socket here listens on, all side by side (the
+    workers import torch and load the model before they refuse): (role, flag) -> (the port, the finished run)."""
     import socket
 
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        extra = (["--skip-warmup"] if role != "router" else
-                 ["--prefill", f"127.0.0.1:{free_port()}", "--decode", f"127.0.0.1:{free_port()}", "--port",
-                  str(free_port())])
-        out = subprocess.run([sys.executable, "-m", "pdserve", role, *extra, flag, str(port)], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
+    def run(role: str, flag: str) -> tuple[int, subprocess.CompletedProcess]:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            extra = (["--skip-warmup"] if role != "router" else
+                     ["--prefill", f"127.0.0.1:{free_port()}", "--decode", f"127.0.0.1:{free_port()}", "--port",
+                      str(free_port())])
+            return port, subprocess.run([sys.executable, "-m", "pdserve", role, *extra, flag, str(port)],
+                                        cwd=tmp_path_factory.mktemp(f"taken-{role}"), capture_output=True, text=True,
+                                        timeout=120)
+
+    with ThreadPoolExecutor(len(TAKEN_PORT_CASES)) as pool:
+        futures = {case: pool.submit(run, *case) for case in TAKEN_PORT_CASES}
+        return {case: f.result() for case, f in futures.items()}
+
+
+@pytest.mark.parametrize("role, flag", TAKEN_PORT_CASES)
+def test_lone_processes_name_the_taken_port_without_a_traceback(role, flag, taken_port_runs):
+    port, out = taken_port_runs[role, flag]
     assert out.returncode == 2, out.stderr
     assert f"pdserve {role}: error: {flag}: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, out.stderr
