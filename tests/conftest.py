@@ -92,6 +92,20 @@ def reference(tiny_v3_dir):
     return reference_outputs(tiny_v3_dir)
 
 
+@pytest.fixture(scope="session")
+def shared_stack(tiny_v3_dir, tmp_path_factory):
+    """A router, a prefill and a decode worker as `stack.start_stack` starts them by default on tiny V3, started at
+    its first use and shared by the modules whose tests only send requests through it, check that it returns to idle
+    and read its counters as differences (each stack start is seconds of torch imports on every worker). Request ids
+    a test writes to the workers directly are its own. A test that signals, kills or reconfigures a process starts a
+    stack of its own."""
+    from stack import start_stack
+
+    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-shared-stack"))
+    yield s
+    s.stop()
+
+
 @pytest.fixture
 def cleanup():
     """cleanup(obj): obj.close() after the test, last registered first (receivers, senders)."""

@@ -8,16 +8,14 @@ import sys
 
 import pytest
 
-from stack import REPO, start_stack, wait_idle
+from stack import REPO, wait_idle
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_v3_dir, tmp_path_factory):
-    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-bench"))
-    yield s
-    s.stop()
+def stack(shared_stack):
+    return shared_stack  # (conftest.py: one stack of the defaults for the modules that only send requests)
 
 
 def bench(stack, tmp_path, *args) -> tuple[dict, str, str]:

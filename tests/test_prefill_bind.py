@@ -30,7 +30,7 @@ from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from stack import decode_updates, generate, start_stack, wait_idle
+from stack import decode_updates, generate, wait_idle
 from test_prefill_streaming import BulkRecordingHandle, RecordingHandle, add_bound
 
 PROMPT = "The router sends each request to a prefill worker"
@@ -314,10 +314,8 @@ def test_the_destinations_checks_come_before_anything_is_sent(tiny_v3_dir):
 
 # ---- through a real prefill worker ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def stack(tiny_v3_dir, tmp_path_factory):
-    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-bind"))
-    yield s
-    s.stop()
+def stack(shared_stack):
+    return shared_stack  # (conftest.py: one stack of the defaults for the modules that only send requests)
 
 
 def _reserve(decode_stub, rid, prompt, max_new_tokens=4) -> pb.ReserveResponse:

@@ -23,7 +23,7 @@ from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 
-from stack import decode_updates, generate, scrape, start_stack, wait_idle
+from stack import decode_updates, generate, scrape, wait_idle
 
 UNAVAILABLE, ALREADY_EXISTS = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
@@ -278,10 +278,8 @@ def received(proc, rpc: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_v3_dir, tmp_path_factory):
-    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-prefill-streams"))
-    yield s
-    s.stop()
+def stack(shared_stack):
+    return shared_stack  # (conftest.py: one stack of the defaults for the modules that only send requests)
 
 
 @pytest.mark.slow

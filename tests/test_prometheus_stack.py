@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.sampling import SamplingParams
 
-from stack import free_port, generate, scrape, start_stack
+from stack import free_port, generate, scrape
 from test_deploy_monitoring import PROMETHEUS, alert_rules, metric_names, promql_expressions
 
 pytestmark = pytest.mark.slow
@@ -30,10 +30,8 @@ SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_co
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_v3_dir, tmp_path_factory):
-    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-prometheus"))
-    yield s
-    s.stop()
+def stack(shared_stack):
+    return shared_stack  # (conftest.py: one stack of the defaults for the modules that only send requests)
 
 
 def exported_names(text: str) -> set[str]:

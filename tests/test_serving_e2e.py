@@ -24,10 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack_1p1d(tiny_v3_dir, tmp_path_factory):
-    stack = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-1p1d"))
-    yield stack
-    stack.stop()
+def stack_1p1d(shared_stack):
+    return shared_stack  # (conftest.py: one stack of the defaults for the modules that only send requests)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +82,7 @@ def test_cancel_mid_stream_frees_pages_on_both_tiers(stack_1p1d):
 
     req = gen_pb.GenerateRequest(text=PROMPTS[2], sampling_params=sampling_to_proto(
         SamplingParams(max_new_tokens=400, ignore_eos=True)))
+    aborted = float(_sample(scrape(stack_1p1d.decode[0]), "pdserve_requests_total", outcome="aborted"))
     with _grpc.insecure_channel(stack_1p1d.router.address) as ch:
         call = gen_grpc.GenerationStub(ch).Generate(req)
         for n, _ in enumerate(call):
@@ -95,7 +94,7 @@ def test_cancel_mid_stream_frees_pages_on_both_tiers(stack_1p1d):
         idle = wait_idle(proc)
         assert idle.num_free_pages == idle.num_total_pages and idle.num_running_requests == 0, proc.role
     decode_metrics = scrape(stack_1p1d.decode[0])
-    assert float(_sample(decode_metrics, "pdserve_requests_total", outcome="aborted")) >= 1
+    assert float(_sample(decode_metrics, "pdserve_requests_total", outcome="aborted")) >= aborted + 1
 
 
 @pytest.mark.parametrize("decode_model, decode_args, named", [
@@ -122,23 +121,36 @@ def test_incompatible_workers_refuse_to_pair(tiny_v3_dir, tiny_v2_dir, tmp_path,
         stop_all([p for p in (router, prefill, decode) if p is not None])
 
 
+def _observations(proc, name: str) -> float:
+    """A histogram's observations summed over its series (a labelled histogram has one per transport, those not used
+    at 0)."""
+    families = {f.name: f for f in text_string_to_metric_families(scrape(proc))}
+    return sum(s.value for s in families[name].samples if s.name == name + "_count")
+
+
 def test_metrics_parse_and_count(stack_1p1d, reference):
-    generate(stack_1p1d.router.address, PROMPTS[0], GREEDY)
+    procs = [stack_1p1d.router] + stack_1p1d.prefill + stack_1p1d.decode
     expected = {
         "router": ["pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
                    "pdserve_e2e_request_latency_seconds"],
         "prefill": ["pdserve_time_to_first_token_seconds", "pdserve_kv_transfer_seconds"],
         "decode": ["pdserve_inter_token_latency_seconds", "pdserve_e2e_request_latency_seconds"],
     }
-    for proc in [stack_1p1d.router] + stack_1p1d.prefill + stack_1p1d.decode:
+    # (differences: the stack is shared, earlier requests are counted already)
+    before = {(proc.role, name): _observations(proc, name) for proc in procs for name in expected[proc.role]}
+    sent = float(_sample(scrape(stack_1p1d.prefill[0]), "pdserve_kv_transfer_bytes_total", transport="tcp"))
+    generate(stack_1p1d.router.address, PROMPTS[0], GREEDY)
+    deadline = time.monotonic() + 5  # (a worker may record its observation just after the reply went out)
+    for (role, name), was in before.items():
+        proc = next(p for p in procs if p.role == role)
+        while _observations(proc, name) <= was:
+            assert time.monotonic() < deadline, f"{role}: {name} observed nothing new"
+            time.sleep(0.05)
+    for proc in procs:
         families = {f.name: f for f in text_string_to_metric_families(scrape(proc))}
-        for name in expected[proc.role]:
-            # (summed: a labelled histogram has a series per transport, those not used at 0)
-            counts = [s.value for s in families[name].samples if s.name == name + "_count"]
-            assert counts and sum(counts) > 0, f"{proc.role}: {name} has no observations"
         for gauge in ("pdserve_num_running_reqs", "pdserve_kv_pool_usage_ratio"):
             assert gauge in families or proc.role == "router"
-    assert float(_sample(scrape(stack_1p1d.prefill[0]), "pdserve_kv_transfer_bytes_total", transport="tcp")) > 0
+    assert float(_sample(scrape(stack_1p1d.prefill[0]), "pdserve_kv_transfer_bytes_total", transport="tcp")) > sent
 
 
 def _sample(text: str, name: str, **labels) -> float:
