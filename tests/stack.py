@@ -217,6 +217,15 @@ def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(
     return Stack(prefill, decode, router)
 
 
+def router_over(workers: Stack, model_dir, log_dir: Path, router_args=()) -> Stack:
+    """A router of its own (router_args: its flags) over the workers of another stack (conftest's shared_stack), as
+    a Stack; stop only its router (`stop_all([s.router])`): the workers are the other stack's."""
+    addresses = [flag for p in workers.prefill for flag in ("--prefill", p.address)]
+    addresses += [flag for d in workers.decode for flag in ("--decode", d.address)]
+    router = start("router", ["--model", str(model_dir), *addresses, *router_args], log_dir, "router")
+    return Stack(workers.prefill, workers.decode, router)
+
+
 @dataclass
 class Result:
     output_ids: list[int]

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.sampling import SamplingParams
 
-from stack import REPO, Proc, free_port, generate, load, scrape, start, start_stack, wait_idle, wait_serving
+from stack import (REPO, Proc, free_port, generate, load, router_over, scrape, start, stop_all, wait_idle,
+                   wait_serving)
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The router sends each request to a prefill worker", "Hello", "Naïve café 東京 🚀",
@@ -33,12 +34,13 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."},
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_v3_dir, tmp_path_factory):
+def stack(shared_stack, tiny_v3_dir, tmp_path_factory):
+    """A router with OpenAI HTTP over the session's shared workers (the tests read their counters as differences)."""
     http_port = free_port()
-    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-openai"), router_args=["--http-port", str(http_port)])
+    s = router_over(shared_stack, tiny_v3_dir, tmp_path_factory.mktemp("logs-openai"), ["--http-port", str(http_port)])
     s.http_port = http_port
     yield s
-    s.stop()
+    stop_all([s.router])
 
 
 @pytest.fixture(scope="module")

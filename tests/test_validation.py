@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import generate_pb2_grpc as gen_grpc
 
-from stack import scrape, start_stack, wait_idle
+from stack import router_over, scrape, stop_all, wait_idle
 
 pytestmark = pytest.mark.slow
 VOCAB, CONTEXT, LIMIT = 512, 2048, 64  # the tiny model's vocabulary and context; the router's --max-new-tokens-limit
@@ -22,11 +22,12 @@ INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_v3_dir, tmp_path_factory):
-    s = start_stack(tiny_v3_dir, tmp_path_factory.mktemp("logs-validation"),
-                    router_args=["--max-new-tokens-limit", str(LIMIT)])
+def stack(shared_stack, tiny_v3_dir, tmp_path_factory):
+    """A router with the limit over the session's shared workers (the tests count worker requests as differences)."""
+    s = router_over(shared_stack, tiny_v3_dir, tmp_path_factory.mktemp("logs-validation"),
+                    ["--max-new-tokens-limit", str(LIMIT)])
     yield s
-    s.stop()
+    stop_all([s.router])
 
 
 def ids(*tokens):
