@@ -459,13 +459,16 @@ def test_readme_examples_run_as_written_against_demo_sh(tmp_path):
         commands = [line for block in _readme_blocks("bash") for line in block.splitlines()
                     if line.startswith("pdserve generate --target localhost:50051")]
         assert len(commands) == 2
-        for line in commands:
-            out = subprocess.run(line.split("#")[0], shell=True, cwd=tmp_path, capture_output=True, text=True,
-                                 timeout=60)
-            assert out.returncode == 0 and out.stdout.strip(), (line, out.stderr)
         snippet = next(b for b in _readme_blocks("python") if "base_url=\"http://localhost:8000/v1\"" in b)
-        out = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=120)
+        with ThreadPoolExecutor(3) as pool:  # the three clients side by side, as three users would
+            runs = [pool.submit(subprocess.run, line.split("#")[0], shell=True, cwd=tmp_path, capture_output=True,
+                                text=True, timeout=60) for line in commands]
+            python = pool.submit(subprocess.run, [sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=120)
+            for line, run in zip(commands, runs, strict=True):
+                out = run.result()
+                assert out.returncode == 0 and out.stdout.strip(), (line, out.stderr)
+            out = python.result()
         assert out.returncode == 0, out.stderr
         assert len(out.stdout.strip().splitlines()) >= 2, out.stdout
     finally:
