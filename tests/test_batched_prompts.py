@@ -115,6 +115,29 @@ def test_batches_beyond_the_limits_are_400s_naming_the_prompt(up, prompt, n, nee
     assert status == 400 and body["error"]["param"] == "prompt" and needle in body["error"]["message"], body
 
 
+# `lm_eval --model local-completions --model_args A --tasks pdserve_tiny --include_path P --batch_size 4
+# --output_path O --log_samples`, as its CLI runs it (lm_eval/_cli/run.py: simple_evaluate, then the tracker writes the
+# samples), with a task manager that looks up only P's tasks: the CLI's indexes every bundled task's YAML first, most
+# of the run's time on two cores and nothing this test looks at.
+LM_EVAL_RUN = """
+import sys
+
+from lm_eval import simple_evaluate
+from lm_eval.loggers import EvaluationTracker
+from lm_eval.tasks import TaskManager
+
+model_args, include_path, out = sys.argv[1:]
+tracker = EvaluationTracker(output_path=out)
+results = simple_evaluate(model="local-completions", model_args=model_args, tasks=["pdserve_tiny"], batch_size=4,
+                          log_samples=True, evaluation_tracker=tracker,
+                          task_manager=TaskManager(include_path=include_path, include_defaults=False))
+samples = results.pop("samples")
+tracker.save_results_aggregated(results=results, samples=samples)
+for task in results["configs"]:
+    tracker.save_results_samples(task_name=task, samples=samples[task])
+"""
+
+
 def test_lm_eval_batch_size_4_scores_as_text_requests_do(up, client, tmp_path):
     """lm-eval 0.4.13's local-completions model, offline, with --batch_size 4 (four token-id prompts a request) and
     add_bos_token=True (its Hugging Face tokenizer adds what tokenizer.json says): every continuation's loglikelihood
@@ -136,10 +159,8 @@ def test_lm_eval_batch_size_4_scores_as_text_requests_do(up, client, tmp_path):
                   "tokenized_requests=True,add_bos_token=True")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "TOKENIZERS_PARALLELISM": "false"}
-    run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-                          "--tasks", "pdserve_tiny", "--include_path", str(tmp_path), "--batch_size", "4",
-                          "--output_path", str(tmp_path / "out"), "--log_samples"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=180)
+    run = subprocess.run([sys.executable, "-c", LM_EVAL_RUN, model_args, str(tmp_path), str(tmp_path / "out")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [samples] = list((tmp_path / "out").rglob("samples_pdserve_tiny_*.jsonl"))
     tok = AutoTokenizer.from_pretrained(str(REPO / "models" / "tiny-trained"))
