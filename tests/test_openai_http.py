@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import shutil
 import signal
 import ssl
@@ -21,8 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.sampling import SamplingParams
 
-from stack import (REPO, Proc, free_port, generate, load, router_over, scrape, start, stop_all, wait_idle,
-                   wait_serving)
+from stack import REPO, Proc, free_port, generate, load, router_over, scrape, start, stop_all, wait_idle
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The router sends each request to a prefill worker", "Hello", "Naïve café 東京 🚀",
@@ -324,25 +322,6 @@ def test_sigterm_drains_http_too(stack, limited, model):
     assert limited.popen.returncode == 0
     for proc in stack.prefill + stack.decode:
         assert wait_idle(proc).num_free_pages == wait_idle(proc).num_total_pages
-
-
-def test_up_serves_openai_http(tiny_v3_dir, tmp_path):
-    port, http_port = free_port(), free_port()
-    log = tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(tiny_v3_dir), "--port", str(port),
-                           "--http-port", str(http_port), "--page-size", "4", "--metrics-port", "0"], cwd=REPO,
-                          stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_serving(Proc("router", f"127.0.0.1:{port}", up, 0, log), timeout_s=90)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0, timeout=30)
-        got = client.completions.create(model=tiny_v3_dir.name, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True})
-        want = generate(f"127.0.0.1:{port}", [5, 6, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True))
-        assert extra(got.choices[0])["token_ids"] == want.output_ids
-        assert f"OpenAI HTTP on :{http_port}" in log.read_text()
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(60)
 
 
 def test_tls_and_no_workers(tiny_v3_dir, tmp_path):

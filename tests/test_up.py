@@ -1,4 +1,5 @@
-"""`pdserve up` runs the whole stack locally; `pdserve generate --target` talks to it; Ctrl-C stops every process."""
+"""`pdserve up` runs the whole stack locally; `pdserve generate --target` talks to it, its OpenAI HTTP front answers
+as its gRPC one does; Ctrl-C stops every process."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kv_cache import CacheConfig
 from pdserve.sampling import SamplingParams
 
-from stack import REPO, Proc, free_port, wait_serving
+from stack import REPO, Proc, free_port, generate, wait_serving
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +45,10 @@ def parent(pid: int) -> int:
 def test_up_serves_and_stops_cleanly(tiny_v3_dir, tmp_path):
     model = tmp_path / "model-for-up"
     subprocess.run(["cp", "-r", str(tiny_v3_dir), str(model)], check=True)
-    port = free_port()
+    port, http_port = free_port(), free_port()
     log = tmp_path / "up.log"
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--model", str(model), "--port", str(port),
-                           "--page-size", "4", "--prefill", "1", "--decode", "2", "--http-port", "0",
+                           "--page-size", "4", "--prefill", "1", "--decode", "2", "--http-port", str(http_port),
                            "--metrics-port", "0"], cwd=REPO,
                           stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -61,6 +63,13 @@ def test_up_serves_and_stops_cleanly(tiny_v3_dir, tmp_path):
         want = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
         assert got["output_ids"] == want.output_ids and got["finish_reason"] == "length"
         assert "pdserve generate --target" in log.read_text()  # it tells the user how to send a request
+        # Its OpenAI HTTP front gives the tokens its gRPC front gives, and `up` says where it listens.
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0, timeout=30)
+        got = client.completions.create(model=model.name, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        via_grpc = generate(f"127.0.0.1:{port}", [5, 6, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert (got.choices[0].model_extra or {})["token_ids"] == via_grpc.output_ids
+        assert f"OpenAI HTTP on :{http_port}" in log.read_text()
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(30)
