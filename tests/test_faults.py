@@ -102,7 +102,8 @@ def test_decode_killed_mid_stream_then_restarted(tiny_v3_dir, tmp_path):
     try:
         address, victim, survivor = stack.router.address, stack.decode[0], stack.decode[1]
         prompts = [[10 + i, 11, 12, 13, 14, 15] for i in range(12)]
-        statuses = load_with_kill(address, victim, prompts, max_new=300, kill_after=(0.1, 0.5))
+        # 200 tokens: seconds of decoding each, the kill 0.1-0.5 s into it
+        statuses = load_with_kill(address, victim, prompts, max_new=200, kill_after=(0.1, 0.5))
         assert "UNAVAILABLE" in statuses, "the killed decode worker had no requests: the test proved nothing"
         assert_idle([survivor] + stack.prefill)
         # New requests succeed (the router marked the dead worker down or retried elsewhere).
