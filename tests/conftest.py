@@ -106,6 +106,19 @@ def shared_stack(tiny_v3_dir, tmp_path_factory):
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def demo_up(tmp_path_factory):
+    """`pdserve up --dtype float32 --page-size 4` on the demo model (test_first_contact.Up: its ports and its log),
+    started at its first use and shared by the modules that send it requests: test_batched_prompts, then
+    test_first_contact, whose last test on it SIGKILLs it."""
+    from test_first_contact import Up
+
+    u = Up(tmp_path_factory.mktemp("demo-up"), "--dtype", "float32", "--page-size", "4")
+    u.wait_up()
+    yield u
+    u.stop()
+
+
 @pytest.fixture
 def cleanup():
     """cleanup(obj): obj.close() after the test, last registered first (receivers, senders)."""

@@ -18,7 +18,6 @@ import openai
 import pytest
 
 from stack import REPO
-from test_first_contact import Up
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-trained"
@@ -28,11 +27,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    u = Up(tmp_path_factory.mktemp("batched"), "--page-size", "4")
-    u.wait_up()
-    yield u
-    u.stop()
+def up(demo_up):
+    return demo_up  # (conftest.py: the session's `pdserve up` on the demo model)
 
 
 @pytest.fixture(scope="module")

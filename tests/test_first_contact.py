@@ -116,11 +116,8 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    u = Up(tmp_path_factory.mktemp("first-contact"), "--dtype", "float32", "--page-size", "4")
-    u.wait_up()
-    yield u
-    u.stop()
+def up(demo_up):
+    return demo_up  # (conftest.py: shared with test_batched_prompts; test_sigkill_of_up_leaves_no_worker_alive ends it)
 
 
 @pytest.fixture(scope="module")
