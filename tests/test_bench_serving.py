@@ -20,7 +20,7 @@ def two_repeats(tmp_path_factory):
     --explain-ttft, and a second repeat over a fresh stack (--repeats 2) -> (its folder, serving.json)."""
     out = tmp_path_factory.mktemp("bench-serving") / "serving"
     proc = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--out", str(out), "--device", "cpu",
-                           "--models", "demo", "--concurrency", "1", "2", "--num-prompts", "4",
+                           "--models", "demo", "--concurrency", "1", "2", "--num-prompts", "2",
                            "--demo-input-len", "16", "--demo-output-len", "4", "--prompts-only-concurrency", "2",
                            "--explain-ttft", "--hop-calls", "3", "--repeats", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -32,12 +32,12 @@ def test_bench_serving_runs_the_stack_and_the_engine(two_repeats):
     out, result = two_repeats
     demo = result["models"]["demo"]
     assert [r["concurrency"] for r in demo["stack"]["runs"]] == [1, 2]
-    assert all(r["completed"] == 4 and r["failed"] == 0 for r in demo["stack"]["runs"])
+    assert all(r["completed"] == 2 and r["failed"] == 0 for r in demo["stack"]["runs"])
     assert set(demo["stack"]["warmup_s"]) == {"prefill", "decode"} and demo["stack"]["up_s"] > 0
     assert [b["batch"] for b in demo["engine"]["batches"]] == [1, 2]
     # At c=1 the engine ran every prompt of the stack's run alone; the stack's KV transfer time came from the prefill
     # worker's metrics over that run.
-    assert demo["engine"]["batches"][0]["prompts"] == 4
+    assert demo["engine"]["batches"][0]["prompts"] == 2
     assert all(r["transfer_ms"] > 0 for r in demo["stack"]["runs"]), demo["stack"]["runs"]
     rows = result["rows"]
     assert [(r["model"], r["concurrency"]) for r in rows] == [("demo", 1), ("demo", 2)]
@@ -48,13 +48,13 @@ def test_bench_serving_runs_the_stack_and_the_engine(two_repeats):
     assert result["first_run_failed"] == {"demo": 0} and result["git"] and result["date"]
     # Prompts only (1 new token each): prefill through the stack against the engine's prefill rate.
     only = demo["stack"]["prompts_only"]
-    assert only["completed"] == 4 and only["failed"] == 0 and only["total_output_tokens"] == 4, only
+    assert only["completed"] == 2 and only["failed"] == 0 and only["total_output_tokens"] == 2, only
     assert demo["engine"]["prompts_only"]["batch"] == 2
     (row,) = result["prompts_only_rows"]
     engine_rate = demo["engine"]["prompts_only"]["prefill_tok_s"]
     assert row["ratio"] == pytest.approx(only["input_token_throughput"] / engine_rate)
     md = (out / "serving.md").read_text()
-    assert "bench_serving.py --out" in md and "| demo | 2 | 0/4 |" in md and "zero failed requests" in md
+    assert "bench_serving.py --out" in md and "| demo | 2 | 0/2 |" in md and "zero failed requests" in md
     assert "Prompts only (2 at a time" in md and "| demo | " in md.split("Concurrency 1:")[1]
     # The CPUs' speed at the start and the end (benchmarks/host_speed.py), every CPU this machine lets it use.
     assert set(result["host_speed"]) == {"start", "end"} and "Host CPUs, at the start: pure-Python loop" in md
@@ -64,7 +64,7 @@ def test_bench_serving_runs_the_stack_and_the_engine(two_repeats):
         (one["stack_ttft_p50_ms"] - one["transfer_ms"]) / one["engine_prefill_one_ms"])
     # --explain-ttft: the stack traced, each c=1 first token split at its marks, and this host's bare gRPC hop.
     parts = demo["stack"]["runs"][0]["ttft_parts"]
-    assert parts["requests"] == 4 and all(v > 0 for v in parts.values()), parts
+    assert parts["requests"] == 2 and all(v > 0 for v in parts.values()), parts
     assert "ttft_parts" not in demo["stack"]["runs"][1]  # (c=2: queueing, not the way of one first token)
     assert one["ttft_prefill_step_ms"] == pytest.approx(parts["prefill_step_ms"])
     assert one["ttft_client_hops_ms"] == pytest.approx(one["stack_ttft_p50_ms"] - parts["router_send_ms"])
@@ -184,21 +184,21 @@ def test_repeats_give_each_ratio_over_fresh_stacks_and_judge_the_targets_on_the_
     out, result = two_repeats
     demo = result["models"]["demo"]
     (second,) = demo["more_repeats"]
-    assert second["stack"]["up_s"] > 0 and second["stack"]["runs"][0]["completed"] == 4
-    assert second["engine"]["batches"][0]["prompts"] == 4
+    assert second["stack"]["up_s"] > 0 and second["stack"]["runs"][0]["completed"] == 2
+    assert second["engine"]["batches"][0]["prompts"] == 2
     sys.path.insert(0, str(REPO / "benchmarks"))
     from serving_report import rows_of
 
     pairs = [rows_of("demo", e["stack"], e["engine"]) for e in (demo, second)]
     assert [r["concurrency"] for r in result["median_rows"]] == [1, 2]
     for i, row in enumerate(result["median_rows"]):
-        assert row["repeats"] == 2 and row["failed"] == 0 and row["prompts"] == 8
+        assert row["repeats"] == 2 and row["failed"] == 0 and row["prompts"] == 4
         for key in ("out_tok_s_ratio", "tpot_ratio", "ttft_less_transfer_ratio"):
             assert row["spread"][key] == [p[i][key] for p in pairs]
             assert row[key] == pytest.approx((pairs[0][i][key] + pairs[1][i][key]) / 2)  # the median of two
     assert [r["concurrency"] for r in result["rows"]] == [1, 2]  # the main table: the first repeat's
     md = (out / "serving.md").read_text()
-    assert "Over the repeats" in md and "| demo | 1 | 2 | 0/8 |" in md and "judged on the medians over 2 repeats" in md
+    assert "Over the repeats" in md and "| demo | 1 | 2 | 0/4 |" in md and "judged on the medians over 2 repeats" in md
     row = result["median_rows"][0]
     assert f"TPOT at c=1 / engine decode step (demo): {row['tpot_ratio']:.2f}" in md
 
