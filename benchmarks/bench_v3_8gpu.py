@@ -307,7 +307,7 @@ def run_pd(args, deadline: float) -> dict:
           + (f" (--layers {args.layers} caps it)" if plan["layers"] == args.layers else ""), flush=True)
     out = os.path.join(args.out, "pd")
     if args.dry_run:  # the demo model on the CPU, both workers TP2: the same stack and bench, no GPU lists
-        model, layers = ["--models", "demo", "--device", "cpu", "--concurrency", "2", "--num-prompts", "4",
+        model, layers = ["--models", "demo", "--device", "cpu", "--concurrency", "2", "--num-prompts", "2",
                          "--demo-input-len", "16", "--demo-output-len", "4"], None
         up_args = ["--up-arg=--tp=2"]
     else:
