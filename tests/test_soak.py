@@ -16,10 +16,10 @@ pytestmark = [pytest.mark.slow,
 
 
 def test_soak_script_passes_in_a_short_run():
-    # 80 requests at 8/s (10 s): every event of the soak (the incompatible worker registered a few seconds in, then
+    # 64 requests at 8/s (8 s): every event of the soak (the incompatible worker registered a few seconds in, then
     # a second apart the malformed entries and the 16M-id prompt) still falls inside the load.
-    run = subprocess.run([str(REPO / "scripts" / "soak.sh"), "10"], cwd=REPO, capture_output=True, text=True,
+    run = subprocess.run([str(REPO / "scripts" / "soak.sh"), "8"], cwd=REPO, capture_output=True, text=True,
                          timeout=400, env={**os.environ, "SOAK_RATE": "8"})
     print(run.stdout[-3000:])
     assert run.returncode == 0 and run.stdout.rstrip().endswith("SOAK PASSED"), run.stdout[-6000:] + run.stderr[-3000:]
-    assert "[ok] healthy requests: 80 of 80 completed, 0 failed" in run.stdout
+    assert "[ok] healthy requests: 64 of 64 completed, 0 failed" in run.stdout
