@@ -65,7 +65,11 @@ def test_frozen_decode_worker_fails_over_and_rejoins(stack):
             victim.popen.send_signal(signal.SIGCONT)
         resumed_at = time.monotonic()
         finished_before = requests_finished(victim)
-        time.sleep(3.0)
+        # The load goes on until the resumed worker has finished a request of its own again (3 s at most; the
+        # rejoin is checked below either way).
+        deadline = resumed_at + 3.0
+        while requests_finished(victim) == finished_before and time.monotonic() < deadline:
+            time.sleep(0.1)
         stop.set()
         for f in futures:
             f.result()
