@@ -41,7 +41,7 @@ def test_16m_token_ids_are_refused_from_their_size_while_other_clients_stream(sh
     stack = shared_stack  # (conftest.py: only requests go through it, each ended by the test's end)
     address = stack.router.address
     big = token_ids_request(16_000_000)
-    streams = subprocess.Popen([sys.executable, str(REPO / "tests" / "stream_gaps.py"), address, "4", "6"],
+    streams = subprocess.Popen([sys.executable, str(REPO / "tests" / "stream_gaps.py"), address, "4", "5"],
                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     time.sleep(3.0)  # the streams are under way: a baseline of their gaps before the big ones come
     results: list[tuple[str, str, float]] = []
