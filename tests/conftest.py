@@ -106,17 +106,29 @@ def shared_stack(tiny_v3_dir, tmp_path_factory):
     s.stop()
 
 
+class DemoUp:
+    """`pdserve up --dtype float32 --page-size 4` on the demo model (test_first_contact.Up: its ports and its log),
+    shared by the modules that send it requests (test_batched_prompts, test_first_contact): `get()` gives the running
+    one, starting it at the first call and again after one was ended (test_first_contact's SIGKILL test ends it)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory):
+        self.tmp_path_factory, self.current = tmp_path_factory, None
+
+    def get(self):
+        from test_first_contact import Up
+
+        if self.current is None or self.current.proc.poll() is not None:
+            self.current = Up(self.tmp_path_factory.mktemp("demo-up"), "--dtype", "float32", "--page-size", "4")
+            self.current.wait_up()
+        return self.current
+
+
 @pytest.fixture(scope="session")
 def demo_up(tmp_path_factory):
-    """`pdserve up --dtype float32 --page-size 4` on the demo model (test_first_contact.Up: its ports and its log),
-    started at its first use and shared by the modules that send it requests: test_batched_prompts, then
-    test_first_contact, whose last test on it SIGKILLs it."""
-    from test_first_contact import Up
-
-    u = Up(tmp_path_factory.mktemp("demo-up"), "--dtype", "float32", "--page-size", "4")
-    u.wait_up()
-    yield u
-    u.stop()
+    shared = DemoUp(tmp_path_factory)
+    yield shared
+    if shared.current is not None:
+        shared.current.stop()
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def up(demo_up):
-    return demo_up  # (conftest.py: the session's `pdserve up` on the demo model)
+    return demo_up.get()  # (conftest.py: the session's `pdserve up` on the demo model)
 
 
 @pytest.fixture(scope="module")

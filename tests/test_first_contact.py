@@ -117,7 +117,7 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def up(demo_up):
-    return demo_up  # (conftest.py: shared with test_batched_prompts; test_sigkill_of_up_leaves_no_worker_alive ends it)
+    return demo_up.get()  # (conftest.py: shared with test_batched_prompts; test_sigkill_of_up_... ends it)
 
 
 @pytest.fixture(scope="module")
