@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.sampling import SamplingParams
 
-from stack import REPO, generate, hooks_env, metric, start, start_all, stop_all
+from stack import REPO, generate, hooks_env, metric, start, start_all, start_stack, stop_all
 from stream_gaps import max_gap
 
 pytestmark = pytest.mark.slow
@@ -37,43 +37,46 @@ def token_ids_request(n: int) -> bytes:
     return b"\x1a" + varint(len(ids)) + ids  # GenerateRequest.tokenized
 
 
-def test_16m_token_ids_are_refused_from_their_size_while_other_clients_stream(shared_stack):
-    stack = shared_stack  # (conftest.py: only requests go through it, each ended by the test's end)
-    address = stack.router.address
-    big = token_ids_request(16_000_000)
-    streams = subprocess.Popen([sys.executable, str(REPO / "tests" / "stream_gaps.py"), address, "4", "5"],
-                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    time.sleep(3.0)  # the streams are under way: a baseline of their gaps before the big ones come
-    results: list[tuple[str, str, float]] = []
+def test_16m_token_ids_are_refused_from_their_size_while_other_clients_stream(trained_model_dir, tmp_path):
+    stack = start_stack(trained_model_dir, tmp_path)
+    try:
+        address = stack.router.address
+        big = token_ids_request(16_000_000)
+        streams = subprocess.Popen([sys.executable, str(REPO / "tests" / "stream_gaps.py"), address, "4", "6"],
+                                   stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        time.sleep(3.0)  # the streams are under way: a baseline of their gaps before the big ones come
+        results: list[tuple[str, str, float]] = []
 
-    def send_big() -> None:
-        with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 32 << 20)]) as ch:
-            call = ch.unary_stream("/pdserve.v1.Generation/Generate")  # bytes as they are
-            t = time.monotonic()
-            try:
-                list(call(big, timeout=30))
-                results.append(("OK", "", time.monotonic() - t))
-            except grpc.RpcError as e:
-                results.append((e.code().name, e.details(), time.monotonic() - t))
+        def send_big() -> None:
+            with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 32 << 20)]) as ch:
+                call = ch.unary_stream("/pdserve.v1.Generation/Generate")  # bytes as they are
+                t = time.monotonic()
+                try:
+                    list(call(big, timeout=30))
+                    results.append(("OK", "", time.monotonic() - t))
+                except grpc.RpcError as e:
+                    results.append((e.code().name, e.details(), time.monotonic() - t))
 
-    senders = [threading.Thread(target=send_big) for _ in range(3)]  # three at once (each parsed in turn)
-    t0 = time.monotonic()
-    for s in senders:
-        s.start()
-    for s in senders:
-        s.join()
-    t1 = time.monotonic()
-    out = json.loads(streams.communicate(timeout=60)[0])
-    assert out["ended"] == ["OK"] * 4, out["ended"]
-    during = max(max_gap(a, t0, t1 + 0.2) for a in out["arrivals"])
-    before = max(max_gap(a, t0 - 1.5, t0 - 0.05) for a in out["arrivals"])
-    print(f"16M ids x3 refused in {[round(r[2], 2) for r in results]} s; other streams' longest gap "
-          f"{during * 1000:.0f} ms meanwhile, {before * 1000:.0f} ms in the 1.5 s before")
-    # (A loaded machine stretches every gap: the streams' own gaps just before are the yardstick there.)
-    assert during < max(0.3, 1.5 * before), (during, before)
-    assert [r[0] for r in results] == ["INVALID_ARGUMENT"] * 3, results
-    assert results[0][1].startswith("tokenized.input_ids: 16000005 bytes of token ids are more than the model's "
-                                    "context of 2048 tokens can hold (a prompt may have at most 2047 ids"), results
+        senders = [threading.Thread(target=send_big) for _ in range(3)]  # three at once (each parsed in turn)
+        t0 = time.monotonic()
+        for s in senders:
+            s.start()
+        for s in senders:
+            s.join()
+        t1 = time.monotonic()
+        out = json.loads(streams.communicate(timeout=60)[0])
+        assert out["ended"] == ["OK"] * 4, out["ended"]
+        during = max(max_gap(a, t0, t1 + 0.2) for a in out["arrivals"])
+        before = max(max_gap(a, t0 - 1.5, t0 - 0.05) for a in out["arrivals"])
+        print(f"16M ids x3 refused in {[round(r[2], 2) for r in results]} s; other streams' longest gap "
+              f"{during * 1000:.0f} ms meanwhile, {before * 1000:.0f} ms in the 1.5 s before")
+        # (A loaded machine stretches every gap: the streams' own gaps just before are the yardstick there.)
+        assert during < max(0.3, 1.5 * before), (during, before)
+        assert [r[0] for r in results] == ["INVALID_ARGUMENT"] * 3, results
+        assert results[0][1].startswith("tokenized.input_ids: 16000005 bytes of token ids are more than the model's "
+                                        "context of 2048 tokens can hold (a prompt may have at most 2047 ids"), results
+    finally:
+        stack.stop()
 
 
 def test_a_reservation_released_before_its_attach_is_retried_on_another_decode_worker(trained_model_dir, tmp_path):
