@@ -48,6 +48,13 @@ class Decode:
             on_failed=self._finished(self.rec.on_failed), **options)
         cleanup(self.receiver)
 
+    def record_frames(self) -> list[tuple[str, object]]:
+        """From now on, (kind, layers or layer) of every data frame the receiver takes, in order (still handled)."""
+        frames, on_data = [], self.receiver._on_data
+        self.receiver._on_data = lambda conn, kind, header, payload: (
+            frames.append((kind, header.get("layers", header.get("layer")))), on_data(conn, kind, header, payload))[1]
+        return frames
+
     def _finished(self, record):
         def callback(room, arg):
             self.pool.allocator.decref(self.pages.pop(room))

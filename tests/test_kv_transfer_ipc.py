@@ -341,10 +341,7 @@ def test_a_prompts_layers_go_in_one_copy_and_one_announcement(cleanup):
     (no LAYER frame of its own); the decode worker still hears of every layer, in order."""
     decode = ipc_decode(cleanup)
     s = ipc_sender(cleanup)
-    frames = []
-    on_data = decode.receiver._on_data
-    decode.receiver._on_data = lambda conn, kind, header, payload: (
-        frames.append((kind, header.get("layers", header.get("layer")))), on_data(conn, kind, header, payload))[1]
+    frames = decode.record_frames()
     prefill_pool = torch.randn(LAYERS, 64, KV_DIM)  # (layers, slots, kv_dim)
     src_slots = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:TOKENS]
     decode.pool.allocator.alloc(NUM_PAGES)
@@ -412,10 +409,7 @@ def test_a_decode_worker_that_does_not_take_layers_in_the_aux_gets_every_layer_a
     monkeypatch.setattr(decode.receiver.plane, "pair", lambda peer, hello: (
         lambda plane, fields: (plane, {k: v for k, v in fields.items() if k != "aux_layers"}))(*pair(peer, hello)))
     s = ipc_sender(cleanup)
-    frames = []
-    on_data = decode.receiver._on_data
-    decode.receiver._on_data = lambda conn, kind, header, payload: (
-        frames.append((kind, header.get("layers", header.get("layer")))), on_data(conn, kind, header, payload))[1]
+    frames = decode.record_frames()
     pages = decode.reserve(5, TOKENS)
     h = s.begin(decode.receiver.endpoint, 5, LAYERS, dst_pages=pages)
     h.send_layers(0, rows_of(5))

@@ -119,10 +119,7 @@ def test_layers_land_as_their_writes_complete_before_the_aux(cleanup):
     slot) is one WRITE too. The send that completes the room is announced by the AUX frame that follows it."""
     decode = nixl_decode(cleanup)
     s = nixl_sender(cleanup)
-    frames = []
-    on_data = decode.receiver._on_data
-    decode.receiver._on_data = lambda conn, kind, header, payload: (
-        frames.append((kind, header.get("layers", header.get("layer")))), on_data(conn, kind, header, payload))[1]
+    frames = decode.record_frames()
     prefill_pool = torch.randn(LAYERS, 64, KV_DIM)  # (layers, slots, kv_dim)
     src_slots = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:TOKENS]
     pages = decode.reserve(7, TOKENS)
@@ -217,10 +214,7 @@ def test_a_run_of_layers_larger_than_half_the_arena_goes_as_several_writes(clean
     write, state = agent.write, agent.state
     agent.write = lambda *a: (calls.append("write"), write(*a))[1]
     agent.state = lambda xfer: (calls.append("poll"), state(xfer))[1]
-    frames = []
-    on_data = decode.receiver._on_data
-    decode.receiver._on_data = lambda conn, kind, header, payload: (
-        frames.append((kind, header.get("layers", header.get("layer")))), on_data(conn, kind, header, payload))[1]
+    frames = decode.record_frames()
     pages = decode.reserve(4, TOKENS)
     h = s.begin(decode.receiver.endpoint, 4, LAYERS, dst_pages=pages)
     h.send_layers(0, rows_of(4))
