@@ -4,6 +4,12 @@ divided by the copy bandwidth measured in the same run. Optionally the same conf
 transformers' DeepseekV3 at batch 1 (bf16, fewer layers so both fit), for the tokens/s ratio.
 
     python benchmarks/bench_one_batch.py --out results.json [--layers 4] [--batch 1 8 32 128] [--ctx 1024 4096 8192]
+
+--rank-of N builds rank 0 of a TP-N worker (its shards: heads, each expert's intermediate, or with --ep whole
+experts) and runs it alone on this GPU, every collective skipped: the compute one rank of a TP-N step holds, a lower
+bound of that step (no all-reduce, no waiting for the other ranks), so that one GPU can tell whether a TP step misses
+its share of the single-GPU step in its kernels or in its collectives. --profile prints, per decode batch and
+prompt length, the kernels that take the device's time.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pdserve.cuda_graph import CudaGraphConfig, DecodeGraphRunner  # noqa: E402
 from pdserve.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from pdserve.kernels import KernelBackends  # noqa: E402
 from pdserve.kv_cache import CacheConfig, LatentKVPool  # noqa: E402
+from pdserve.parallel.group import SINGLE, TPGroup  # noqa: E402
 from pdserve.weights import load_model  # noqa: E402
 
 V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
@@ -45,6 +52,43 @@ def v3_slice(layers: int, fp8: bool) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw, name=f"deepseek-v3-slice-{layers}L")
 
 
+
+
+class SkipCollectives:
+    """Stands in for a rank's process group (--rank-of): every collective returns at once with its output as it
+    was. The values a rank then computes are not the worker's, only its shapes and work are."""
+
+    class _Done:
+        def wait(self) -> bool:
+            return True
+
+    def allreduce(self, tensors):
+        return self._Done()
+
+    def broadcast(self, x, src):
+        return self._Done()
+
+
+def rank_group(size: int) -> TPGroup:
+    """Rank 0 of `size` with no peers (SINGLE at size 1)."""
+    return SINGLE if size == 1 else TPGroup(0, size, SkipCollectives())
+
+
+def kernel_profile(fn, label: str, top: int = 12) -> list[tuple[str, float]]:
+    """The device time per call of fn's busiest kernels (ms), printed under `label`."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    us = [(e.key, e.self_device_time_total / 3) for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(t for _, t in us)
+    rows = [(key[:100], t / 1e3) for key, t in sorted(us, key=lambda kv: -kv[1])[:top]]
+    print(f"[profile] {label}: {total / 1e3:.3f} ms of kernels per call; busiest (ms):", flush=True)
+    for key, ms in rows:
+        print(f"[profile]     {ms:8.4f}  {key}", flush=True)
+    return [("total", total / 1e3)] + rows
 
 
 def step_bytes(model, cfg: ModelConfig, batch: int, ctx: int, kv_bytes_per_value: int) -> float:
@@ -94,8 +138,10 @@ def bench_pdserve(args, bw: float) -> list[dict]:
     cfg = v3_slice(args.layers, fp8=True)
     kernels = KernelBackends.create(args.attention_backend, args.moe_backend, args.gemm_backend)
     t0 = time.monotonic()
-    model = load_model(None, cfg, torch.bfloat16, kernels, "dummy", "cuda")
-    print(f"[bench] V3 slice ({args.layers} layers + NextN, FP8) built in {time.monotonic() - t0:.1f}s, "
+    model = load_model(None, cfg, torch.bfloat16, kernels, "dummy", "cuda", tp=rank_group(args.rank_of), ep=args.ep)
+    shape = f"rank 0 of TP{args.rank_of}{' + EP' if args.ep else ''} alone, collectives skipped" \
+        if args.rank_of > 1 else "one GPU"
+    print(f"[bench] V3 slice ({args.layers} layers + NextN, FP8, {shape}) built in {time.monotonic() - t0:.1f}s, "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
     rows = []
     max_tokens = max([b * c for b in args.batch for c in args.ctx] + list(args.prefill))
@@ -121,6 +167,9 @@ def bench_pdserve(args, bw: float) -> list[dict]:
                        tok_s=b / best, floor_ms=floor * 1e3, ratio_to_floor=best / floor,
                        graph_speedup=eager / graph if graph else None,
                        capture_s=capture if graphs else None, replan_host_us=replan_us)
+            if args.profile:
+                row["profile"] = kernel_profile(lambda: model.logits(model(batch, pool.kv)),
+                                                f"decode B={b} ctx={ctx} (eager)")
             rows.append(row)
             print(f"[bench] B={b:4d} ctx={ctx:5d}: eager {eager * 1e3:8.3f} ms, graph "
                   f"{(graph or float('nan')) * 1e3:8.3f} ms, floor {floor * 1e3:7.3f} ms "
@@ -138,6 +187,9 @@ def bench_pdserve(args, bw: float) -> list[dict]:
                              qo_indptr=[0, n], prefix_lens=[0], page_tables=[pages])
         t = cuda_time(lambda: model.logits(model(batch, pool.kv)[-1:]), iters=3, warmup=1)
         prefill_rows.append(dict(prompt_tokens=n, ms=t * 1e3, tok_s=n / t))
+        if args.profile:
+            prefill_rows[-1]["profile"] = kernel_profile(lambda: model.logits(model(batch, pool.kv)[-1:]),
+                                                         f"prefill {n} tokens")
         print(f"[bench] prefill {n:6d} tokens: {t * 1e3:9.2f} ms, {n / t:10.0f} tok/s", flush=True)
     rows.append({"prefill": prefill_rows})
     return rows  # the model and pool are freed with this frame
@@ -208,12 +260,19 @@ def main() -> None:
     p.add_argument("--gemm-backend", default="triton")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--rank-of", type=int, default=1, metavar="N",
+                   help="rank 0 of a TP-N worker alone, collectives skipped (see above)")
+    p.add_argument("--ep", action="store_true", help="with --rank-of: the MoE split by experts (EP-N)")
+    p.add_argument("--profile", action="store_true", help="print each shape's busiest kernels")
     args = p.parse_args()
+    if args.ep and args.rank_of == 1:
+        p.error("--ep needs --rank-of N (N > 1)")
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"[bench] {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw_tb_s=bw / 1e12,
-                  date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), decode=bench_pdserve(args, bw))
+                  date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), rank_of=args.rank_of, ep=args.ep,
+                  decode=bench_pdserve(args, bw))
     gc.collect()
     torch.cuda.empty_cache()
     if not args.skip_transformers:
