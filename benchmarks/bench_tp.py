@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -93,6 +94,13 @@ def profile_steps(engine, steps: int) -> dict:
                 top=[(key[:90], round(t / steps / 1e3, 4)) for key, t in top])
 
 
+def print_profile(name: str, what: str, prof: dict, per: str) -> None:
+    print(f"[{name}] {what} profiled: {prof['ms_per_step']:.3f} ms of {prof['clock']} time {per}, "
+          f"{100 * prof['collective_share']:.0f}% in the collectives; busiest (ms {per}):", flush=True)
+    for key, ms in prof["top"]:
+        print(f"[{name}]     {ms:8.4f}  {key}", flush=True)
+
+
 def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int, profile: bool = False) -> tuple[float, dict]:
     """Mean wall ms per engine step once `batch` requests of `ctx`-token prompts all decode (overlap scheduling and
     CUDA graphs as the engine runs them), and what those steps ran: the mean running requests and how many steps
@@ -125,13 +133,17 @@ def decode_step_ms(engine, gen, batch: int, ctx: int, steps: int, profile: bool 
     return took * 1e3, ran
 
 
-def prefill_tok_s(engine, gen, n: int, repeats: int) -> float:
-    """Tokens per second of one n-token prompt prefilled in one step (the first run warms up, best of the rest)."""
+def prefill_tok_s(engine, gen, n: int, repeats: int, profile: bool = False) -> tuple[float, Optional[dict]]:
+    """Tokens per second of one n-token prompt prefilled in one step (the first run warms up, best of the rest);
+    with profile, one more prompt's steps under the profiler (rank 0's view, as profile_steps)."""
     from pdserve.sampling import SamplingParams
+
+    def one_prompt() -> None:
+        engine.add_request(_prompt(gen, n, engine.model_config.vocab_size), SamplingParams(max_new_tokens=1))
 
     best = float("inf")
     for k in range(repeats + 1):
-        engine.add_request(_prompt(gen, n, engine.model_config.vocab_size), SamplingParams(max_new_tokens=1))
+        one_prompt()
         _sync(engine.config.device)
         start = time.perf_counter()
         while engine.has_unfinished:
@@ -139,7 +151,18 @@ def prefill_tok_s(engine, gen, n: int, repeats: int) -> float:
         _sync(engine.config.device)
         if k:
             best = min(best, time.perf_counter() - start)
-    return n / best
+    prof = None
+    if profile:
+        one_prompt()
+        steps = 0
+        while engine.has_unfinished:  # (the steps one prompt takes: its prefill, the overlap's read-back)
+            steps += 1
+            engine.step()
+        one_prompt()
+        prof = profile_steps(engine, steps)
+        prof["ms_per_step"] *= steps  # per prompt: every step it took
+        prof["top"] = [(key, ms * steps) for key, ms in prof["top"]]
+    return n / best, prof
 
 
 def kv_capacity(engine, fraction: float, budget_bytes: int) -> dict:
@@ -188,15 +211,15 @@ def run_one(args, name: str) -> dict:
                   f"{b / out['decode_ms'][str(b)] * 1e3:9.1f} tok/s (running {ran['mean_running']:.1f} on average, "
                   f"{ran['steps_with_waiting']} of {s['steps']} steps with a request waiting)", flush=True)
             if "profile" in ran:
-                prof = ran["profile"]
-                print(f"[{name}] batch {b} profiled: {prof['ms_per_step']:.3f} ms of {prof['clock']} time per step, "
-                      f"{100 * prof['collective_share']:.0f}% in the collectives; busiest (ms per step):", flush=True)
-                for key, ms in prof["top"]:
-                    print(f"[{name}]     {ms:8.4f}  {key}", flush=True)
+                print_profile(name, f"batch {b}", ran["profile"], "per step")
         out["prefill_tok_s"] = {}
         for n in s["prefill"]:
-            out["prefill_tok_s"][str(n)] = prefill_tok_s(engine, gen, n, s["repeats"])
+            out["prefill_tok_s"][str(n)], prof = prefill_tok_s(engine, gen, n, s["repeats"],
+                                                               args.profile and n == min(s["prefill"]))
             print(f"[{name}] prefill {n:6d} tokens: {out['prefill_tok_s'][str(n)]:10.0f} tok/s", flush=True)
+            if prof is not None:
+                out.setdefault("prefill_profile", {})[str(n)] = prof
+                print_profile(name, f"prefill of {n} tokens", prof, "per prompt")
         print(f"[{name}] KV capacity at {args.mem_fraction:.2f} of memory: {out['kv']['tokens']} tokens "
               f"({out['kv']['pools']} pool(s) of {out['kv']['tokens_per_rank']}; weights "
               f"{out['kv']['weights_gib_per_rank']:.2f} GiB per rank)", flush=True)
@@ -338,8 +361,9 @@ def main() -> None:
     p.add_argument("--big-layers", type=int, default=16, help="layers of the configuration one GPU cannot hold")
     p.add_argument("--skip-big", action="store_true")
     p.add_argument("--profile", action="store_true",
-                   help="after each batch's timed steps, profile a few more (rank 0): device time per step, the "
-                        "share in NCCL kernels, the busiest operations")
+                   help="after each batch's timed steps, profile a few more, and one more prompt of the shortest "
+                        "prefill length (rank 0's view): device time per step or prompt, the share in NCCL "
+                        "kernels, the busiest operations")
     p.add_argument("--config-timeout", type=float, default=150, help="seconds per configuration's process")
     p.add_argument("--big-timeout", type=float, default=240)
     p.add_argument("--time-budget-s", type=float, default=None,

@@ -59,3 +59,8 @@ def test_profile_steps_says_where_a_decode_step_goes(trained_model_dir):
     assert ms > 0 and ran["mean_running"] == 2 and ran["steps_with_waiting"] == 0
     assert prof["clock"] == "host" and prof["ms_per_step"] > 0 and 0 <= prof["collective_share"] <= 1
     assert prof["top"] and all(t >= 0 for _, t in prof["top"]) and "aten::mm" in [k for k, _ in prof["top"]]
+    # ... and one prompt's prefill, every step it took (gpu.sh tp profiles the shortest prefill length)
+    tok_s, pre = bench_tp.prefill_tok_s(engine, torch.Generator().manual_seed(1), 24, 1, profile=True)
+    assert tok_s > 0 and pre["ms_per_step"] > 0 and "aten::mm" in [k for k, _ in pre["top"]]
+    assert bench_tp.prefill_tok_s(engine, torch.Generator().manual_seed(1), 24, 1)[1] is None
+    assert not engine.has_unfinished
