@@ -68,6 +68,11 @@ def store_for(rank: int, size: int, port: int, timeout_s: float):
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def joining_key(rank: int) -> str:
+    """The store key a rank sets just before it joins the group (pdserve.parallel.ranks waits for it)."""
+    return f"pdserve/joining/{rank}"
+
+
 def connect(store: Any, rank: int, size: int, device: torch.device | str, timeout_s: float) -> TPGroup:
     """Join the group of `size` ranks (blocks until all have joined): NCCL on a CUDA device, Gloo on the CPU.
     A collective that waits more than timeout_s fails (a dead rank fails Gloo's at once: its sockets close)."""
@@ -96,4 +101,4 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{(d.index or 0) + rank}"
 
 
-__all__ = ["TPGroup", "SINGLE", "connect", "store_for", "rank_device"]
+__all__ = ["TPGroup", "SINGLE", "connect", "joining_key", "store_for", "rank_device"]

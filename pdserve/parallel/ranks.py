@@ -23,12 +23,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Callable, Optional
 
 from pdserve.config import ModelConfig
-from pdserve.parallel.group import TPGroup, connect, rank_device, store_for
+from pdserve.parallel.group import TPGroup, connect, joining_key, rank_device, store_for
 from pdserve.parallel.worker import RankSetup
 
 EXIT_GRACE_S = 5.0  # a dead rank: how long rank 0's own code has to raise before the watcher ends the worker
@@ -117,6 +118,16 @@ class Ranks:
             threading.Thread(target=self._watch, args=(r,), name=f"tp-rank{rank}-watcher", daemon=True).start()
             self.progress(f"tensor-parallel rank {rank} of {self.size} started (pid {process.pid}, "
                           f"{rank_engine.device})")
+        # NOTE: the group's rendezvous waits only the collective timeout (which may be a second or two), while a rank
+        # can take longer than that to import torch on a busy host: so first each rank says, through the store,
+        # that it is about to join (pdserve.parallel.worker), which may take the start-up timeout.
+        joining = [joining_key(r.rank) for r in self._ranks]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not store.check(joining):
+            self.check()
+            if time.monotonic() > deadline:
+                raise RankDied(f"the tensor-parallel ranks did not start within {START_TIMEOUT_S:g}s")
+            time.sleep(0.02)
         with self.guard():
             self.group: TPGroup = connect(store, 0, self.size, device, parallel.collective_timeout_s)
 

@@ -25,7 +25,7 @@ from pdserve.kernels import KernelBackends
 from pdserve.kv_cache import LatentKVPool
 from pdserve.model_runner import build_graph_runners
 from pdserve.parallel import dp_attention
-from pdserve.parallel.group import connect, store_for
+from pdserve.parallel.group import connect, joining_key, store_for
 from pdserve.parallel.steps import ForwardCall, KVCall, ReplayCall, move_kv, receive_batch, receive_graph_inputs
 from pdserve.weights import load_model, resolve_dtype
 
@@ -54,6 +54,7 @@ class RankLoop:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.tp_size))
         make_current(self.device)
         store = store_for(parallel.rank, parallel.tp_size, setup.store_port, parallel.collective_timeout_s)
+        store.set(joining_key(parallel.rank), "1")
         self.tp = connect(store, parallel.rank, parallel.tp_size, self.device, parallel.collective_timeout_s)
         self.cfg = cfg
         dtype = resolve_dtype(config.dtype, cfg)
