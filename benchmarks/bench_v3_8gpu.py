@@ -215,7 +215,7 @@ def run_one(args, part: str) -> dict:
                   "with a request waiting)", flush=True)
         out["prefill_tok_s"] = {}
         for n_tok in s["prefill"]:
-            rate = out["prefill_tok_s"][str(n_tok)] = bench_tp.prefill_tok_s(engine, gen, n_tok, s["repeats"])
+            rate = out["prefill_tok_s"][str(n_tok)] = bench_tp.prefill_tok_s(engine, gen, n_tok, s["repeats"])[0]
             print(f"{tag} prefill {n_tok:6d} tokens: {rate:10.0f} tok/s", flush=True)
     finally:
         engine.close()
