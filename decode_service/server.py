@@ -26,11 +26,11 @@ from pdserve.serving.grpc_shell import (
     Drain, ServiceError, abort_with, create_server, invalid, serve_until_signal, start_serving,
 )
 from pdserve.serving.metrics import Metrics, SpecMetrics
+from pdserve.serving.nixl_flags import check_nixl_backend, nixl_options
 from pdserve.serving.rpc_convert import layout_to_proto, sampling_from_proto
 from pdserve.serving.warmup import WarmupReport, warm_up_worker
 from pdserve.serving.worker_common import (
-    WorkerControl, WorkerIdentity, check_nixl_backend, kv_layout, model_info, nixl_options, on_engine_thread,
-    start_metrics,
+    WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread, start_metrics,
 )
 from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb

@@ -26,9 +26,9 @@ from pdserve.v1 import generate_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.serving.warmup import WarmupReport, warm_up_worker
+from pdserve.serving.nixl_flags import check_nixl_backend, nixl_options
 from pdserve.serving.worker_common import (
-    WorkerControl, WorkerIdentity, check_nixl_backend, kv_layout, model_info, nixl_options, on_engine_thread,
-    start_metrics,
+    WorkerControl, WorkerIdentity, kv_layout, model_info, on_engine_thread, start_metrics,
 )
 
 from .engine import MTP_KV_NOT_COMPUTED, PrefillEngine, PrefillJob, PrefillResult

@@ -145,6 +145,9 @@ def test_up_lists_every_endpoint_and_serves_metrics_by_default(up):
     # metrics listen where gRPC does (--host 127.0.0.1), not on every interface
     for port in (up.metrics_port, up.metrics_port + 1, up.metrics_port + 2, up.http_port, up.port):
         assert listening_addresses(port) == {"127.0.0.1"}, port
+    # `up` starts the workers and runs the router: torch never loads in its process (its import there would hold back
+    # every worker's start by seconds, and the router's memory)
+    assert "libtorch" not in Path(f"/proc/{up.proc.pid}/maps").read_text()
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -275,7 +275,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     args.device = resolved_device(args.device)
     fixed_ports = frozenset(up_ports(args).values())
     up_start = time.monotonic()
-    from pdserve.serving.worker_common import check_nixl_backend
+    from pdserve.serving.nixl_flags import check_nixl_backend
 
     check_nixl_backend(args.kv_transport, args.nixl_backend)  # before any worker starts, not in each of them
     layout = placement(args)
