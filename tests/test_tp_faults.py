@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -46,8 +47,9 @@ def _start(tmp_path, *extra):
     return proc, rank1, lines
 
 
-def _signal_and_wait(proc, rank1: int, lines: list[str], sig) -> tuple[float, str]:
-    """Send rank 1 `sig`; (seconds until the worker ended, everything it printed). Nothing outlives the test."""
+def _signal_and_wait(proc, rank1: int, lines: list[str], sig) -> tuple[int, float, str]:
+    """Send rank 1 `sig`; (the worker's exit status, seconds until it ended, everything it printed). Nothing outlives
+    the test."""
     os.kill(rank1, sig)
     sent = time.monotonic()
     try:
@@ -57,39 +59,67 @@ def _signal_and_wait(proc, rank1: int, lines: list[str], sig) -> tuple[float, st
             proc.kill()
         if not _gone(rank1):
             os.kill(rank1, signal.SIGKILL)
-    return time.monotonic() - sent, "".join(lines) + rest
+    return proc.returncode, time.monotonic() - sent, "".join(lines) + rest
 
 
-@pytest.mark.parametrize("extra", [(), ("--dp-attention",)], ids=["tp", "dp-attention"])
-def test_a_killed_rank_ends_the_worker_with_its_name(tmp_path, extra):
-    """Under DP attention the one request runs on rank 0: rank 1, idle, is killed inside the step's collectives."""
-    proc, rank1, lines = _start(tmp_path, *extra)
-    took, err = _signal_and_wait(proc, rank1, lines, signal.SIGKILL)
-    assert proc.returncode == 1, err[-3000:]
-    assert "tensor-parallel rank 1 of 2" in err and "was killed by SIGKILL" in err, err[-3000:]
-    assert took < 10, f"the worker took {took:.1f}s to stop"
-    print(f"stopped {took:.2f}s after rank 1 was killed: {err.strip().splitlines()[-1]}")
-
-
-def test_a_hung_rank_ends_the_worker_within_the_collective_timeout(tmp_path):
-    """Rank 1 stopped (SIGSTOP: alive, its sockets open, so no collective fails at once): rank 0's next collective
-    waits --collective-timeout, then the worker ends with exit 1 and says what happened."""
-    proc, rank1, lines = _start(tmp_path, "--dp-attention", "--collective-timeout", "2")
-    took, err = _signal_and_wait(proc, rank1, lines, signal.SIGSTOP)
-    assert proc.returncode == 1, err[-3000:]
-    assert "RanksOutOfStep" in err and "collective timeout (2s, --collective-timeout)" in err, err[-3000:]
-    assert took < 15, f"the worker took {took:.1f}s to stop"
-    print(f"stopped {took:.2f}s after rank 1 hung: {err.strip().splitlines()[-1]}")
-
-
-def test_rank_1_ends_when_rank_0_is_killed(tmp_path):
+def _kill_rank_0(tmp_path) -> bool:
+    """SIGKILL the generate process (rank 0): whether its rank 1 was gone within 10 s."""
     proc, rank1, _ = _start(tmp_path)
     proc.kill()
     proc.wait(10)
     deadline = time.monotonic() + 10
     while not _gone(rank1) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _gone(rank1), "rank 1 outlived rank 0"
+    gone = _gone(rank1)
+    if not gone:
+        os.kill(rank1, signal.SIGKILL)
+    return gone
+
+
+# name -> what it runs: a killed rank 1 under plain TP and under DP attention, a hung (stopped) rank 1, a killed rank 0
+FAULTS = {
+    "tp": lambda tmp: _signal_and_wait(*_start(tmp), signal.SIGKILL),
+    "dp-attention": lambda tmp: _signal_and_wait(*_start(tmp, "--dp-attention"), signal.SIGKILL),
+    "hung": lambda tmp: _signal_and_wait(*_start(tmp, "--dp-attention", "--collective-timeout", "2"), signal.SIGSTOP),
+    "rank-0-killed": _kill_rank_0,
+}
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> dict:
+    """Each fault of the tests below on a `generate --tp 2` of its own, all side by side (each process imports torch
+    and loads the model before it decodes: seconds of one core each, so their start-ups overlap): name -> what its
+    FAULTS entry returned."""
+    def run(name):
+        return FAULTS[name](tmp_path_factory.mktemp(f"tp-fault-{name}"))
+
+    with ThreadPoolExecutor(len(FAULTS)) as pool:
+        futures = {name: pool.submit(run, name) for name in FAULTS}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("fault", ["tp", "dp-attention"])
+def test_a_killed_rank_ends_the_worker_with_its_name(faults, fault):
+    """Under DP attention the one request runs on rank 0: rank 1, idle, is killed inside the step's collectives."""
+    returncode, took, err = faults[fault]
+    assert returncode == 1, err[-3000:]
+    assert "tensor-parallel rank 1 of 2" in err and "was killed by SIGKILL" in err, err[-3000:]
+    assert took < 10, f"the worker took {took:.1f}s to stop"
+    print(f"stopped {took:.2f}s after rank 1 was killed: {err.strip().splitlines()[-1]}")
+
+
+def test_a_hung_rank_ends_the_worker_within_the_collective_timeout(faults):
+    """Rank 1 stopped (SIGSTOP: alive, its sockets open, so no collective fails at once): rank 0's next collective
+    waits --collective-timeout, then the worker ends with exit 1 and says what happened."""
+    returncode, took, err = faults["hung"]
+    assert returncode == 1, err[-3000:]
+    assert "RanksOutOfStep" in err and "collective timeout (2s, --collective-timeout)" in err, err[-3000:]
+    assert took < 15, f"the worker took {took:.1f}s to stop"
+    print(f"stopped {took:.2f}s after rank 1 hung: {err.strip().splitlines()[-1]}")
+
+
+def test_rank_1_ends_when_rank_0_is_killed(faults):
+    assert faults["rank-0-killed"], "rank 1 outlived rank 0"
 
 
 @pytest.mark.parametrize("argv, message", [
