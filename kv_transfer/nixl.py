@@ -23,10 +23,9 @@ A room:
     AUX {...} ->                               after every WRITE of the room resolved: on_done
     ABORT {room} ->                            the sender failed or dropped the room *and* its WRITEs resolved
 
-Cost. NIXL's cost is per descriptor, so a room is written in place (a descriptor per layer and page run, pages
-coalesced) only while those are few for its bytes (`nixl_receiver.in_place`), otherwise into the room's staging
-block, one descriptor per WRITE whatever its layers, and scattered into its pages on the decode GPU; on the sender
-the rows wait in a registered arena, gathered once from the prefill pool.
+Cost. NIXL's cost is per descriptor, so a WRITE is one descriptor per layer and page run (pages coalesced, at most
+`MAX_DIRECT_RUNS` runs), or one for all its layers into the room's staging block; on the sender the rows wait in a
+registered arena, gathered once from the prefill pool.
 
 Configuration. UCX reads its own environment when the agent starts: `UCX_TLS` picks the transports it may use (e.g.
 `rc,cuda_copy,cuda_ipc` for RDMA and NVLink, `tcp,cuda_copy` where there is no RDMA NIC), `UCX_NET_DEVICES` the NICs

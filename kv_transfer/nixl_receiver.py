@@ -2,12 +2,10 @@
 its registered memory (the KV pool, and a staging area); that sender then WRITEs each room's rows itself (see
 `nixl.py` for the room's frames).
 
-At BEGIN the room's pages are checked against its reservation. A room written in place costs a descriptor per layer
-and page run, each posted by the sender's host; a room of more (`in_place`: more than `MAX_DIRECT_DESCRIPTORS`, and
-more than one per `BYTES_PER_DESCRIPTOR` of its rows: a short prompt of a model's every layer, or scattered pages)
-gets a block of the staging area `(num_layers, tokens, kv_dim)` instead (when one is free: otherwise in place all the
-same), written with a descriptor per WRITE, and each LAYER announcement scatters its layers from there into the pages
-(one kernel, `row_copy`, on a GPU with Triton; `pages.scatter_pages` otherwise).
+At BEGIN the room's pages are checked against its reservation. Pages in few runs are written in place (a descriptor
+per layer and run); pages scattered into more than `MAX_DIRECT_RUNS` runs would cost a descriptor per page, so the
+room gets a block of the staging area `(num_layers, tokens, kv_dim)` instead (when one is free: otherwise in place
+all the same) and each LAYER announcement scatters its layers from there into the pages (`pages.scatter_pages`).
 An AUX frame may announce the layers of the room's last send itself (HELLO_OK's `aux_layers` tells the sender it
 may): a whole prompt's rows then land with the AUX, in one scatter when staged.
 
@@ -26,24 +24,19 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from pdserve.common.trace import mark
-
-from .base import TransferState, room_key
+from .base import TransferState
 from .control_receiver import KVReceiverChannel, Peer, Room, _is_int
 from .nixl_agent import Arena, Block, NixlAgent
-from .pages import plan_pages, row_copy_for, scatter_pages
+from .pages import plan_pages, scatter_pages
 from .plane import ReceivePlane
 from .wire import BEGIN, GRANT, LAYER, ProtocolError
 
 logger = logging.getLogger(__name__)
 
 NIXL = "nixl"
-# A room is written in place while it takes at most MAX_DIRECT_DESCRIPTORS descriptors (layers x page runs), or at
-# most one per BYTES_PER_DESCRIPTOR of its rows; otherwise into staging. NIXL's cost is per descriptor (UCX posts
-# each one from the sender's host, about ten microseconds), staging's is one more pass over the bytes on the decode
-# GPU (its scatter on arrival): about what a descriptor costs for every 16 MiB.
-MAX_DIRECT_DESCRIPTORS = 16
-BYTES_PER_DESCRIPTOR = 16 << 20
+# Page runs per layer up to which a room is written in place: NIXL's cost is per descriptor, and beyond a few runs
+# one WRITE into staging plus a device scatter costs less than a descriptor per run.
+MAX_DIRECT_RUNS = 8
 DEFAULT_STAGING_SHARE = 8  # the staging area's default size: this fraction of the pool's bytes...
 DEFAULT_STAGING_MAX_BYTES = 2 << 30  # ...at most
 PROBE_BYTES = 256
@@ -89,7 +82,6 @@ class NixlReceivePlane(ReceivePlane):
                                  "mem_type": probe.mem_type}}
         self._blocks: dict[Room, Block] = {}  # staged rooms' blocks, until nothing writes or reads them (lock held)
         self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None  # scatters beside the decode steps
-        self._rows = row_copy_for(kv) if kv.is_cuda else None  # the staged rooms' scatter kernel (None: torch's)
 
     def _writing(self) -> bool:
         """Whether a sender may be writing here (the agent's progress thread then runs at its busy pace)."""
@@ -154,7 +146,6 @@ class NixlReceivePlane(ReceivePlane):
         block = self._blocks.get(r)
         if block is not None:
             self._scatter(r, layers, block)
-            mark("kv.scattered", room_key(r.room))
             if len(r.layers) + len(layers) == r.num_layers:
                 del self._blocks[r]  # every layer scattered: nothing reads or writes it any more
         return True
@@ -173,46 +164,30 @@ class NixlReceivePlane(ReceivePlane):
                                           f"{r.dst_pages[:need]}")
             return
         block = None
-        nbytes = r.num_layers * r.num_tokens * ch.layout.kv_dim * ch.kv.element_size()
-        if self.staging is not None and not in_place(r.num_layers * len(plan_pages(
-                r.dst_pages, r.num_tokens, ch.layout.page_size).runs), nbytes):
-            block = self.staging.take(nbytes)
+        if self.staging is not None and len(plan_pages(r.dst_pages, r.num_tokens, ch.layout.page_size).runs) \
+                > MAX_DIRECT_RUNS:
+            row_bytes = ch.layout.kv_dim * ch.kv.element_size()
+            block = self.staging.take(r.num_layers * r.num_tokens * row_bytes)
             if block is not None:
                 self._blocks[r] = block
-                self._plan_scatter_locked(r)
+                r.plan = plan_pages(r.dst_pages, r.num_tokens, ch.layout.page_size, ch.kv.device)
         r.granted = True
         r.status.advance(TransferState.TRANSFERRING)
         ch.reply(peer, {"kind": GRANT, "room": r.room, "num_tokens": r.num_tokens,
                         "staging": None if block is None else block.offset})
 
-    def _plan_scatter_locked(self, r: Room) -> None:
-        """Where a staged room's rows go: with the kernel, every row's slot on the pool's device (on the scatter
-        stream, which the scatters run on); otherwise the page plan."""
-        kv, page_size = self.channel.kv, self.channel.layout.page_size
-        if self._rows is None:
-            r.plan = plan_pages(r.dst_pages, r.num_tokens, page_size, kv.device)
-            return
-        with torch.cuda.stream(self._stream):
-            r.pool_slots = r.dst_slots.to(kv.device, non_blocking=True)  # (tokens,)
-
     def _scatter(self, r: Room, layers: list[int], block: Block) -> None:
         """The announced layers from the room's staging block into its pages; done when this returns (so the decode
-        engine reads them once it hears of the room, and the block is free once the room's last layer is in). On a
-        GPU one kernel (`row_copy`) where Triton is installed, else `scatter_pages`."""
+        engine reads them once it hears of the room, and the block is free once the room's last layer is in)."""
         kv = self.channel.kv
         staged = block.view((r.num_layers, r.num_tokens, kv.shape[2]), kv.dtype)  # (room layers, tokens, kv_dim)
         target, rows = kv[layers[0]:layers[-1] + 1], staged[layers[0]:layers[-1] + 1]
         if self._stream is None:
             scatter_pages(target, rows, r.plan)
             return
-        # NOTE: after what the decode engine queued on this thread's stream (the pages' earlier readers, and the page
-        # plan's index without the kernel).
-        self._stream.wait_stream(torch.cuda.current_stream(kv.device))
+        self._stream.wait_stream(torch.cuda.current_stream(kv.device))  # the plan's page index was made there
         with torch.cuda.stream(self._stream):
-            if r.pool_slots is None or not self._rows.copy_rows(target, r.pool_slots, rows):
-                if r.plan is None:
-                    r.plan = plan_pages(r.dst_pages, r.num_tokens, self.channel.layout.page_size, kv.device)
-                scatter_pages(target, rows, r.plan)
+            scatter_pages(target, rows, r.plan)
         self._stream.synchronize()
 
     def _sweep_locked(self) -> None:
@@ -242,10 +217,4 @@ class NixlReceivePlane(ReceivePlane):
             self._sweep_locked()
 
 
-def in_place(descriptors: int, nbytes: int) -> bool:
-    """Whether a room of `nbytes` that takes `descriptors` (layers x page runs) written in place is written there
-    rather than staged (see MAX_DIRECT_DESCRIPTORS)."""
-    return descriptors <= max(MAX_DIRECT_DESCRIPTORS, nbytes // BYTES_PER_DESCRIPTOR)
-
-
-__all__ = ["BYTES_PER_DESCRIPTOR", "MAX_DIRECT_DESCRIPTORS", "NixlReceivePlane", "in_place"]
+__all__ = ["MAX_DIRECT_RUNS", "NixlReceivePlane"]

@@ -33,9 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from pdserve.common.trace import mark
-
-from .base import KVTransferError, TransferState, room_key
+from .base import KVTransferError, TransferState
 from .control_sender import RoomHandle
 from .grants import Grant, await_grant, fail_granted, on_grant, open_granted
 from .nixl_agent import Arena, Block, NixlAgent, Region, Registered, device_id
@@ -304,9 +302,7 @@ class NixlSendPlane(SendPlane):
             if xfer is None:
                 self._resolve(handle, inflight, frames, announce)
                 return None
-            mark("kv.write_posted", room_key(handle.room))  # (the trace keeps the first: the room's first WRITE)
             inflight.append((item, xfer, holder))
-        mark("kv.writes_posted", room_key(handle.room))
         if not self._resolve(handle, inflight, frames, announce):
             return None
         return frames[-1] if announce else []

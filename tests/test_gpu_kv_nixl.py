@@ -97,7 +97,7 @@ def test_rows_land_bit_identical_in_the_decode_gpus_pages(cleanup):
         s = NixlKVSender(layout(), device=PREFILL_DEVICE)
         cleanup(s)
         room = 1
-        for order in ("contiguous", "shuffled"):  # shuffled: more layers x runs than MAX_DIRECT_DESCRIPTORS, so staged
+        for order in ("contiguous", "shuffled"):  # shuffled: more runs than MAX_DIRECT_RUNS, so staged
             for n in (1, 40, 1000):
                 for whole in (True, False):
                     pages = list(range(-(-n // PAGE)))
