@@ -2,22 +2,18 @@
 HELLO_OK hands over) and the data plane that copies the rows into the reserved pages of that mapped pool.
 
 Ordering. `send_layers` (the prefill engine's call: every layer of a prompt at once, after its forward; these
-pairings do not stream layer by layer) or `send_rows` (one layer) queues the rows' copy on the caller's stream, after
-the forward that wrote them and before whatever the caller queues there next (its pool's pages may be reused at
-once). On one GPU, when the room was granted already (the stack opens a room while its prompt computes), that copy
-is all there is: one kernel reads the caller's rows by slot and writes them into the reserved pages of the mapped
-pool (`row_copy`, where Triton is installed). Otherwise the rows are gathered into memory the transport owns, across
-GPUs in a few runs of layers with an event after each (`pages.gather_chunks`), and their copy into the mapped pool
-is queued behind those events on the pairing's side streams (across GPUs: each run crosses the link, then is
-scattered into the pages on the pool's GPU while the next crosses, `pages.copy_across`; on one GPU the kernel, or
-without Triton one scatter by page, or one copy when the pages are one run: `scatter_pages`) by the caller's thread
-when the room was granted already, otherwise by the connection's writer thread once GRANT came (in queue order, a
-room's later sends behind it too); then one LAYER announcement naming the layers, except for the send that completes
-the room where the decode worker takes its layers in the AUX frame (HELLO_OK's `aux_layers`): finish() follows it,
-so a whole prompt is BEGIN, GRANT, AUX. Where the rows go (the kernel's slot index, or the page plan) is made when
-the GRANT arrives (the reader thread), not by the first send. The prefill engine's thread never waits for the GPU.
-The AUX frame and an ABORT go out only after the writer synchronised the room's last copy (`drain`), so each tells
-the decode worker that nothing of the room is still being written.
+pairings do not stream layer by layer) or `send_rows` (one layer) gathers the rows on the caller's stream (the
+forward that wrote them is before it), across GPUs in a few runs of layers with an event after each
+(`pages.gather_chunks`). Their copy into the mapped pool is queued behind those events on the pairing's side streams
+(across GPUs: each run crosses the link, then is scattered into the pages on the pool's GPU while the next crosses,
+`pages.copy_across`; on one GPU one scatter by page, or one copy when the pages are one run: `scatter_pages`) by the
+caller's thread when the room was granted already (the stack opens a room while its prompt computes), otherwise by
+the connection's writer thread once GRANT came (in queue order, a room's later sends behind it too); then one LAYER
+announcement naming the layers, except for the send that completes the room where the decode worker takes its
+layers in the AUX frame (HELLO_OK's `aux_layers`): finish() follows it, so a whole prompt is BEGIN, GRANT, AUX. The
+page plan is made when the GRANT arrives (the reader thread), not by the first send. The prefill engine's thread
+never waits for the GPU. The AUX frame and an ABORT go out only after the writer synchronised the room's last copy
+(`drain`), so each tells the decode worker that nothing of the room is still being written.
 
 Bounds. Every destination page is checked against the mapped pool's size at `begin`; rows are only written after
 the decode worker granted the room (it checked the pages against its reservation) and only as many as it granted.
@@ -32,13 +28,11 @@ from typing import Any, Optional
 
 import torch
 
-from .base import KVTransferError, TransferState, token_slots
+from .base import KVTransferError
 from .control_sender import RoomHandle
 from .cuda_ipc_pairing import AUTO, IPC, TCP, IpcBackend, check_export
 from .grants import Grant, await_grant, fail_granted, on_grant, open_granted
-from .pages import (
-    Chunk, PagePlan, chunk_count, copy_across, gather_chunks, plan_pages, row_copy_for, scatter_pages,
-)
+from .pages import Chunk, PagePlan, chunk_count, copy_across, gather_chunks, plan_pages, scatter_pages
 from .plane import PairAgain, SendPairing, SendPlane
 from .tcp import TcpSendPlane
 from .wire import LAYER, ProtocolError
@@ -89,10 +83,7 @@ class _IpcGrant(Grant):
 
     def __init__(self):
         super().__init__()
-        self.plan: Optional[PagePlan] = None  # where the rows go, made when the GRANT came (the torch path's)
-        self.dst_rows: Optional[torch.Tensor] = None  # (tokens,) their slots on the pool's device (the kernel's)
-        self.copied: Any = None  # CUDA event the kernel's copies on the caller's stream record (made at the GRANT)
-        self.copied_on: Optional[int] = None  # the stream it was last recorded on
+        self.plan: Optional[PagePlan] = None  # where the rows go, made when the GRANT came
         self.last_copy: Any = None  # CUDA event after the room's last queued copy
         self.queued = 0  # sends of the room whose copies wait for the writer thread (the plane's lock held)
 
@@ -118,15 +109,9 @@ class IpcSendPlane(SendPlane):
         self.across = on_gpus and remote.device != device
         self.pool_stream = torch.cuda.Stream(remote.device) if self.across else self.stream
         self.stage_stream = torch.cuda.Stream(remote.device) if self.across else None  # see pages.copy_across
-        # One GPU: rows move by one kernel from wherever they are straight into the pages (`row_copy`), when Triton is
-        # there; its page index is made on a stream of its own at the GRANT, which nothing else waits behind.
-        self.rows = row_copy_for(remote) if on_gpus and not self.across else None
-        self.index_stream = torch.cuda.Stream(device) if self.rows is not None else None
-        self.default_stream = torch.cuda.default_stream(device).cuda_stream if self.rows is not None else None
         # Held while copies are queued (by the writer thread, or the caller's once its room is granted) and while the
         # mapping is let go: no copy is queued into a mapping being closed.
         self._lock = threading.Lock()
-        self._caller_copies: dict[int, Any] = {}  # caller's stream -> event after its last copy into the mapping
 
     # ---- the caller's thread ----
 
@@ -137,14 +122,14 @@ class IpcSendPlane(SendPlane):
 
     def send(self, handle: RoomHandle, layers: list[int], source: torch.Tensor,
              slots: Optional[torch.Tensor]) -> None:
-        """Copy the rows ((num_tokens, kv_dim) for one layer, (len(layers), num_tokens, kv_dim) for a run of them)
-        so the caller may reuse its pool at once: on one GPU, once the room is granted (the stack opens it while the
-        prompt computes), by one kernel on the caller's stream straight into the pages (whatever the caller queues
-        on that stream later comes after it); otherwise gathered into memory the transport owns, their copy queued
-        from this thread when granted, so it starts without waiting for the writer thread, or from the writer thread
-        once the grant came."""
+        """Gather the rows ((num_tokens, kv_dim) for one layer, (len(layers), num_tokens, kv_dim) for a run of them)
+        into memory the transport owns, so the caller may reuse the pool at once, and queue their copy: from this
+        thread when the room is already granted (the stack opens it while the prompt computes), so the copy starts
+        without waiting for the writer thread; from the writer thread once the grant came otherwise."""
         run = source if source.dim() == 3 else source[None]  # (layers, slots or tokens, kv_dim)
         n = handle.num_tokens
+        row_bytes = len(layers) * n * run.shape[-1] * run.element_size()
+        chunks = gather_chunks(run, slots, chunk_count(row_bytes) if self.across else 1)
         announce = not (self.announce_in_aux and handle.all_sent)
         if not announce:
             handle.aux_layers.extend(layers)  # the AUX frame, written after this copy completed, announces them
@@ -154,14 +139,6 @@ class IpcSendPlane(SendPlane):
             direct = grant.granted.is_set() and grant.queued == 0
             if not direct:
                 grant.queued += 1
-        if direct and self.rows is not None:
-            written = self._write_rows(handle, layers, run, slots)
-            if written is not None:
-                if written and announce:
-                    self.conn.put(handle, LAYER, header)
-                return
-        row_bytes = len(layers) * n * run.shape[-1] * run.element_size()
-        chunks = gather_chunks(run, slots, chunk_count(row_bytes) if self.across else 1)
         if direct:
             if self._write(handle, layers, chunks) and announce:
                 self.conn.put(handle, LAYER, header)
@@ -178,49 +155,6 @@ class IpcSendPlane(SendPlane):
 
         self.conn.queue.put((handle, LAYER, build, None))
 
-    def _write_rows(self, handle: RoomHandle, layers: list[int], run: torch.Tensor,
-                    slots: Optional[torch.Tensor]) -> Optional[bool]:
-        """One GPU, the room granted (the caller's thread): the rows `run[:, slots]` copied into the granted pages by
-        one kernel on the caller's current stream. True: queued; False: the room failed instead; None: the kernel
-        does not take these tensors (the caller gathers them instead)."""
-        if torch.cuda.current_device() != run.device.index:  # (Triton launches on the current device)
-            with torch.cuda.device(run.device):
-                return self._write_rows(handle, layers, run, slots)
-        if not await_grant(handle, handle.num_tokens):
-            return False
-        grant: _IpcGrant = handle.plane_state
-        if slots is not None and slots.device != run.device:
-            slots = slots.to(run.device)
-        with self._lock:
-            if not self._may_write(handle):
-                return False
-            try:
-                stream = torch.cuda.current_stream(run.device)
-                done, on = grant.copied, stream.cuda_stream
-                if grant.last_copy is not None and (grant.last_copy is not done or grant.copied_on != on):
-                    stream.wait_event(grant.last_copy)  # (one event stands for the room's copies: it covers these)
-                # NOTE: the caller's slots index its own pool (its allocator's); the peer's pages were checked
-                # against the mapped pool at begin().
-                if not self.rows.copy_rows(self._target(layers), grant.dst_rows, run, slots):
-                    return None
-                if on != self.default_stream:  # (the index was allocated on the default stream)
-                    grant.dst_rows.record_stream(stream)
-                done.record(stream)
-            except RuntimeError as e:  # the mapping or the device failed: this pairing cannot be trusted
-                self.conn.break_(KVTransferError("peer_failed", f"copying room {handle.room}'s rows into decode KV "
-                                                                f"endpoint {self.conn.endpoint}'s pool failed: {e}"))
-                return False
-            grant.copied_on, grant.last_copy = on, done
-            self._caller_copies[on] = done
-        handle.bytes_sent += len(layers) * handle.num_tokens * run.shape[-1] * run.element_size()
-        return True
-
-    def _may_write(self, handle: RoomHandle) -> bool:
-        """With the lock held, before queueing a copy: False once the connection ended (its rooms failed with it)
-        or the room failed. NOTE: a room fails before its ABORT is queued, and `drain` reads the room's last copy
-        under the lock, so a copy queued here is either seen by the drain before the ABORT or not queued at all."""
-        return self.remote is not None and handle.status.state != TransferState.FAILED
-
     def failed(self, handle: RoomHandle, local: bool) -> None:
         # The ABORT is written after the room's copies were synchronised (`drain`): the decode worker frees the pages.
         fail_granted(self.conn, handle)
@@ -231,22 +165,10 @@ class IpcSendPlane(SendPlane):
         return on_grant(header, handle, self._plan)
 
     def _plan(self, handle: RoomHandle, grant: _IpcGrant) -> None:
-        """Where the room's rows go, worked out once when its GRANT arrives (the reader thread, while the prompt
-        computes), not by its first send: with the kernel, the slot of every row on the pool's device (on the index
-        stream, complete when this returns: the kernel may run on any stream); otherwise the page plan (page_runs is a
-        Python loop over the pages), its index made on the stream of the scatters (which only ever read it there)."""
+        """The room's page plan, made once when its GRANT arrives (the reader thread, while the prompt computes):
+        page_runs is a Python loop over the pages, and the index of scattered pages a copy to the device. Its index
+        is made on the stream of the scatters (which only ever read it there)."""
         try:
-            if self.rows is not None:
-                slots = token_slots(handle.dst_pages, grant.tokens, handle.layout.page_size)  # (tokens,)
-                # NOTE: allocated on the default stream (this thread's), which every pairing shares: on a stream of
-                # the pairing's own, the caching allocator would keep a segment per pairing. The kernels that read it
-                # on other streams record them.
-                grant.dst_rows = torch.empty_like(slots, device=self.pool_device)
-                grant.copied = torch.cuda.Event()
-                with torch.cuda.stream(self.index_stream):
-                    grant.dst_rows.copy_(slots)  # (synchronous from pageable memory: waits for this copy only)
-                    grant.copied.record()  # (made here, so a send only records it)
-                return
             with torch.cuda.stream(self.pool_stream) if self.pool_stream is not None else contextlib.nullcontext():
                 grant.plan = plan_pages(handle.dst_pages, grant.tokens, handle.layout.page_size, self.pool_device)
         except RuntimeError as e:  # the device failed: this pairing cannot be trusted
@@ -255,12 +177,8 @@ class IpcSendPlane(SendPlane):
 
     def drain(self, handle: RoomHandle) -> None:
         """Wait (writer thread) until every copy of the room queued so far has completed."""
-        if handle.plane_state is None:
-            return
-        with self._lock:  # (see _may_write)
-            last = handle.plane_state.last_copy
-        if last is not None:
-            last.synchronize()
+        if handle.plane_state is not None and handle.plane_state.last_copy is not None:
+            handle.plane_state.last_copy.synchronize()
 
     def _write(self, handle: RoomHandle, layers: list[int], chunks: list[Chunk]) -> bool:
         """Queue the layers' copy into the granted pages (the writer thread, or the caller's once granted); False
@@ -270,23 +188,19 @@ class IpcSendPlane(SendPlane):
             return False
         grant: _IpcGrant = handle.plane_state
         with self._lock:
-            if not self._may_write(handle):
+            if self.remote is None:  # the connection ended meanwhile (its rooms failed with it)
                 return False
+            target = self.remote  # (layers are consecutive: one layer, or a run; a whole pool's needs no slice)
+            if layers[0] != 0 or len(layers) != target.shape[0]:
+                target = target[layers[0]:layers[-1] + 1]
             try:
-                self._copy(grant, handle, self._target(layers), chunks)
+                self._copy(grant, handle, target, chunks)
             except RuntimeError as e:  # the mapping or the device failed: this pairing cannot be trusted
                 self.conn.break_(KVTransferError("peer_failed", f"copying room {handle.room}'s rows into decode KV "
                                                                 f"endpoint {self.conn.endpoint}'s pool failed: {e}"))
                 return False
         handle.bytes_sent += sum(c.rows.numel() * c.rows.element_size() for c in chunks)
         return True
-
-    def _target(self, layers: list[int]) -> torch.Tensor:
-        """The mapped pool's `layers` (consecutive: one layer, or a run; the whole pool's need no slice)."""
-        target = self.remote
-        if layers[0] != 0 or len(layers) != target.shape[0]:
-            target = target[layers[0]:layers[-1] + 1]
-        return target
 
     def _copy(self, grant: _IpcGrant, handle: RoomHandle, target: torch.Tensor, chunks: list[Chunk]) -> None:
         stream, plan = self.stream, grant.plan  # (planned at the GRANT, for the count every send was checked against)
@@ -298,27 +212,14 @@ class IpcSendPlane(SendPlane):
             with torch.cuda.stream(stream):
                 for c in chunks:
                     stream.wait_event(c.ready)
-                    layer_kv = _layers_of(target, c)
-                    if self.rows is not None and self.rows.copy_rows(layer_kv, grant.dst_rows, c.rows):
-                        grant.dst_rows.record_stream(stream)
-                    else:
-                        scatter_pages(layer_kv, c.rows, self._page_plan(handle, grant))
+                    scatter_pages(_layers_of(target, c), c.rows, plan)
                     c.rows.record_stream(stream)  # the allocator must not hand it out before the copy read it
         else:  # the pool's device's current stream, then the rows': across GPUs both are set at once
             with torch.cuda.stream(self.stage_stream), torch.cuda.stream(stream):
                 copy_across(target, chunks, plan, self.pool_stream)
         done = torch.cuda.Event()
-        if grant.last_copy is not None:  # (a copy the kernel queued on a caller's stream: the room's event covers it)
-            self.pool_stream.wait_event(grant.last_copy)
         done.record(self.pool_stream)
         grant.last_copy = done
-
-    def _page_plan(self, handle: RoomHandle, grant: _IpcGrant) -> PagePlan:
-        """The room's page plan for the torch path where the kernel refused the rows (made on first use, on the
-        current stream: the scatter's)."""
-        if grant.plan is None:
-            grant.plan = plan_pages(handle.dst_pages, grant.tokens, handle.layout.page_size, self.pool_device)
-        return grant.plan
 
     def ended(self) -> None:
         # NOTE: the writer thread is gone and the lock keeps a caller from queueing more; wait for the queued copies,
@@ -330,8 +231,6 @@ class IpcSendPlane(SendPlane):
                     self.pool_stream.synchronize()
                     if self.stage_stream is not None:
                         self.stage_stream.synchronize()
-                for done in self._caller_copies.values():  # the kernels queued on the callers' streams
-                    done.synchronize()
             except RuntimeError as e:
                 logger.warning("KV connection to %s: waiting for its last copies failed: %s", self.conn.endpoint, e)
             self.remote = None

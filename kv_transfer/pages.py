@@ -10,15 +10,12 @@ layers rather than one block only so that one run's gather, crossing and scatter
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .base import gather_layers, page_runs
-
-logger = logging.getLogger(__name__)
 
 # 16-, 8- and 4-byte elements: index_copy_'s CUDA kernel moves one element per thread step (the kernel is picked by
 # element size only), so the same bytes as wider elements take fewer steps.
@@ -168,22 +165,5 @@ def copy_across(layer_kv: torch.Tensor, chunks: list[Chunk], plan: PagePlan, sca
         staged.record_stream(scatter_stream)  # allocated on the stage stream, read by the scatter
 
 
-def row_copy_for(pool: torch.Tensor) -> Any:
-    """The `row_copy` module (one kernel moving rows by slot between pools), its kernel built for rows of `pool`
-    (on a GPU), or None where Triton is not installed or does not build it: the caller copies with torch then.
-    Imported here, not at the package's import (see `row_copy`)."""
-    try:
-        from . import row_copy
-    except ImportError as e:
-        logger.info("KV transfer: Triton is not importable (%s): rows are copied by torch", e)
-        return None
-    try:
-        row_copy.warm_up(pool.device, pool.dtype, pool.shape[-1])
-    except Exception as e:  # noqa: BLE001 (Triton raises its own types): a broken Triton costs speed, not transfers
-        logger.warning("KV transfer: the row-copy kernel did not build (%s): rows are copied by torch", e)
-        return None
-    return row_copy
-
-
 __all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "Chunk", "PagePlan", "chunk_count", "copy_across", "gather_chunks", "plan_pages",
-           "row_copy_for", "scatter_pages"]
+           "scatter_pages"]

@@ -23,7 +23,6 @@ from pdserve.kv_transfer import CudaIpcKVSender, KVLayout, KVTransferError, toke
 from stack import metric, start_pd_on_gpus
 from test_kv_transfer_collective import Decode, read_line, wait_until
 from golden import check_against_reference
-from rowcopy_checks import CASES, check_copy_rows, check_refused
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -77,9 +76,6 @@ for line in sys.stdin:
         h._conn.plane._write = lambda *a: time.sleep(3600)
     elif cmd["op"] == "abort":
         handles[room][0].abort()
-    elif cmd["op"] == "path":  # how the pairing moves rows: one kernel into the pages, or a gather and a scatter
-        plane = handles[room][0]._conn.plane
-        print("path", "kernel" if getattr(plane, "rows", None) is not None else "torch", flush=True)
     elif cmd["op"] == "repair":  # a new sender: a new connection, a new mapping of the decode pool
         sender.close()
         sender = new_sender()
@@ -132,16 +128,6 @@ def landed(decode: Decode, room: int, pages: list[int], tokens: int) -> bool:
                for layer in range(LAYERS))
 
 
-@pytest.mark.parametrize("layers, src_slots, dst_slots, tokens, row_elems, dtype, indexed", CASES)
-def test_row_copy_kernel_matches_the_reference(layers, src_slots, dst_slots, tokens, row_elems, dtype, indexed):
-    """The one-GPU sender's kernel, compiled (tests/test_kv_transfer_rowcopy_interpret.py runs it interpreted)."""
-    check_copy_rows(DEVICE, layers, src_slots, dst_slots, tokens, row_elems, dtype, indexed)
-
-
-def test_row_copy_kernel_refuses_rows_it_cannot_move():
-    check_refused(DEVICE)
-
-
 @pytest.fixture
 def prefill():
     p = Prefill()
@@ -165,8 +151,6 @@ def test_rows_land_bit_identical_in_scattered_pages(cleanup, transport):
         for room in rooms:
             prefill.do("finish", room)
         assert [prefill.outcome(room) for room in rooms] == ["done 1 cuda_ipc", "done 2 cuda_ipc"]
-        prefill.ask("path", 1)
-        assert read_line(prefill.proc, "path", 10.0) == "path kernel"  # one GPU, Triton there: the kernel wrote them
         decode.rec.wait_for(lambda: len(decode.rec.done) == 2)
         assert all(values is None for *_, values in decode.rec.layers)
         untouched = torch.ones(decode.pool.kv.shape[1], dtype=torch.bool, device=DEVICE)
