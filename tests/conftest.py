@@ -35,11 +35,14 @@ def pytest_collection_finish(session) -> None:
 def pytest_configure(config) -> None:
     """One torch thread in the test process. The tiny models' kernels take microseconds: intra-op threads only add
     synchronisation, and while the workers a test started (or any other job) hold the cores, each op of a thread pool
-    sized to every core waits for a thread that is not running, ten times slower and worse. The processes the tests
-    start take their share the same way (stack.spawn; `pdserve up` gives its workers theirs)."""
+    sized to every core waits for a thread that is not running, ten times slower and worse. Every process the tests
+    start inherits OMP_NUM_THREADS=1 (unless set): the suite runs such processes side by side (`pdserve generate`s,
+    lone workers, benchmarks' children), where pools sized to every core spin against each other (two `generate`s at
+    once on two cores took four times as long). `pdserve up` and stack.spawn size their workers' the same way."""
     import torch
 
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
