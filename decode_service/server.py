@@ -112,7 +112,7 @@ class DecodeWorker:
         self.pacing = DecodePacing(self.core, config.min_step_interval_s, config.gpu_share_while_prefilling, metrics)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="decode-engine",
                                on_error=self._step_failed, hold=self._hold if self.pacing.active else None,
-                               idle=self.engine.send_unsent)
+                               idle=self.engine.send_unsent, fatal=self.core.cannot_go_on)
         # Request id -> where its outputs go (a router's DecodeStream call); touched only on the event loop.
         self.streams = StreamHub(metrics, on_attached=self._attached, on_detached=self._detached)
         self.drain: Optional[Drain] = None  # attached requests count as work in flight for a graceful drain

@@ -33,7 +33,7 @@ from pdserve.common.progress import say
 from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.parallel.driver import Driver
 from pdserve.parallel.group import SINGLE, rank_device
-from pdserve.parallel.ranks import Ranks
+from pdserve.parallel.ranks import RankDied, Ranks
 from pdserve.weights import load_model, resolve_dtype
 
 
@@ -181,6 +181,22 @@ class LLMEngine:
         self.speculator = NextNSpeculator(self.runner, spec) if spec.enabled else None
         if self.ranks is not None:
             self.ranks.wait_ready()
+
+    def cannot_go_on(self, error: BaseException) -> Optional[str]:
+        """Why this engine can run no step after `error` raised from one (None: it can): a tensor-parallel rank died
+        or the ranks are out of step (pdserve.parallel.ranks), or the device is broken: a CUDA error such as an
+        illegal memory access leaves the context unusable, which a synchronize then reports."""
+        if isinstance(error, RankDied):  # (RanksOutOfStep included)
+            return str(error).splitlines()[0] if str(error) else type(error).__name__
+        device = torch.device(self.config.device)
+        if device.type != "cuda":
+            return None
+        try:
+            torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 (whatever it raises, the device cannot run the next step)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return f"its GPU ({device}) can no longer run steps: {first}"
+        return None
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (nothing to do in a single process; without close() they

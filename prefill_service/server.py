@@ -88,7 +88,7 @@ class PrefillWorker:
                                     max_queued=config.max_queued_requests, layerwise=config.kv_layerwise,
                                     on_first_tokens=self._deliver)
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, name="prefill-engine",
-                               on_error=self._step_failed, idle=self._poll_transfers)
+                               on_error=self._step_failed, idle=self._poll_transfers, fatal=self.core.cannot_go_on)
         self.event_loop: Optional[asyncio.AbstractEventLoop] = None  # where the prompts await their answers
         self.last_load = self.load()  # read here, before the engine thread starts
 

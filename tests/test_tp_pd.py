@@ -6,8 +6,12 @@ match), so a router pairs a TP1 worker with a TP2 one."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import types
 
+import grpc
 import pytest
 
 import torch
@@ -17,11 +21,12 @@ from pdserve.cli.up import engine_flags
 from pdserve.config import ModelConfig
 from pdserve.kernels import KernelBackends
 from pdserve.parallel.group import TPGroup
+from pdserve.sampling import SamplingParams
 from pdserve.serving.worker_common import model_fingerprint
 from pdserve.weights import build_model
 
 from golden import check_against_reference, reference_outputs
-from stack import start_stack, wait_idle
+from stack import generate, start_stack, wait_idle
 
 FP32_CPU = ["--dtype", "float32", "--device", "cpu", "--tp", "2"]
 
@@ -56,3 +61,26 @@ def test_workers_of_any_split_have_one_fingerprint(trained_model_dir):
 def test_up_hands_tp_and_ep_to_its_workers():
     flags = engine_flags(build_parser().parse_args(["up", "--model", "m", "--tp", "2", "--ep", "2"]))
     assert flags[flags.index("--tp") + 1] == "2" and flags[flags.index("--ep") + 1] == "2"
+
+
+def test_a_served_tp_worker_whose_rank_hangs_ends_itself(trained_model_dir, tmp_path):
+    """Rank 1 of the prefill worker stopped (alive, so nothing notices it died): the next prompt's collective waits
+    --collective-timeout, then the worker ends (exit status 1, saying why) rather than failing every later step,
+    and the router answers the prompt with an error instead of hanging."""
+    stack = start_stack(trained_model_dir, tmp_path, engine_args=[*FP32_CPU, "--collective-timeout", "2"],
+                        timeout_s=180)
+    rank1 = None
+    try:
+        prefill = stack.prefill[0]
+        rank1 = int(re.search(r"tensor-parallel rank 1 of 2 started \(pid (\d+)", prefill.log_path.read_text())[1])
+        os.kill(rank1, signal.SIGSTOP)
+        with pytest.raises(grpc.RpcError):
+            generate(stack.router.address, [5, 6, 7, 8], SamplingParams(max_new_tokens=4), timeout=30)
+        prefill.popen.wait(30)
+        assert prefill.popen.returncode == 1, prefill.log()
+        assert ("prefill-engine: this worker cannot go on: a step of the 2 tensor-parallel ranks failed on rank 0 "
+                "with every rank still running") in prefill.log(), prefill.log()
+    finally:
+        if rank1 is not None:
+            os.kill(rank1, signal.SIGKILL)
+        stack.stop()

@@ -12,9 +12,9 @@ A worker may hold its next step back (`hold`: seconds until it may run, e.g. a d
 commands still run as they arrive meanwhile.
 
 A step that fails is reported and the loop goes on (a bug in one batch need not take the worker's other requests
-down), unless the failure broke the device: a CUDA error such as an illegal memory access leaves the context
-unusable, so every later step would fail the same way. Then the worker ends, exit status 1, saying so, and the
-router routes around it.
+down), unless the engine cannot go on after it (`fatal`: e.g. a CUDA error such as an illegal memory access leaves
+the device's context unusable, a tensor-parallel rank died or hangs), when every later step would fail the same way.
+Then the worker ends, exit status 1, saying why, and the router routes around it.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ class EngineLoop:
     def __init__(self, step: Callable[[], Any], has_work: Callable[[], bool], name: str = "engine-loop",
                  on_error: Optional[Callable[[BaseException], None]] = None,
                  hold: Optional[Callable[[], float]] = None, idle: Optional[Callable[[], None]] = None,
-                 device_check: Optional[Callable[[], None]] = None):
+                 fatal: Optional[Callable[[BaseException], Optional[str]]] = None):
         """hold(): seconds the next step must still wait (<= 0: run it now); asked before every step. idle(): called
         when the loop finds no work, before it sleeps (what a worker held back for its next step goes then).
-        device_check(): raises when the device can no longer run anything, asked after a failed step; default, on
-        CUDA, a synchronize of the loop's device (a broken context fails it at once)."""
+        fatal(error): asked after a failed step (after on_error), why the engine cannot run another one, or None
+        (pdserve.engine.LLMEngine.cannot_go_on)."""
         self._step, self._has_work, self._on_error, self._hold, self._idle = step, has_work, on_error, hold, idle
         self._inbox: queue.SimpleQueue[Optional[tuple[Callable[[], Any], Future]]] = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -49,10 +49,7 @@ class EngineLoop:
         # current when it was built): a new thread would start on device 0, where Triton cannot reach cuda:N's
         # tensors.
         self._cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        if device_check is None and self._cuda_device is not None:
-            device = self._cuda_device
-            device_check = lambda: torch.cuda.synchronize(device)  # noqa: E731
-        self._device_check = device_check
+        self._fatal = fatal
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -109,16 +106,9 @@ class EngineLoop:
                 log.exception("engine step failed")
                 if self._on_error:
                     self._on_error(e)
-                self._end_if_device_broken()
-
-    def _end_if_device_broken(self) -> None:
-        if self._device_check is None:
-            return
-        try:
-            self._device_check()
-        except Exception as e:  # noqa: BLE001 (whatever the device raises, it cannot run the next step)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"pdserve: {self._thread.name}: the device can no longer run steps ({first}); this worker "
-                  "stops (exit status 1) so that its requests go elsewhere", file=sys.stderr, flush=True)
-            logging.shutdown()
-            os._exit(1)
+                why = self._fatal(e) if self._fatal is not None else None
+                if why:
+                    print(f"pdserve: {self._thread.name}: this worker cannot go on: {why}. It stops (exit status 1) "
+                          "so that its requests go elsewhere", file=sys.stderr, flush=True)
+                    logging.shutdown()
+                    os._exit(1)
