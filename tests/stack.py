@@ -187,7 +187,7 @@ def metric(port: int, name: str, **labels) -> float:
 
 def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(), redis_url=None,
                 decode_args=(), router_args=(), timeout_s: float = 90.0, prefill_env: Optional[dict] = None,
-                decode_env: Optional[dict] = None) -> Stack:
+                decode_env: Optional[dict] = None, prefill_args=()) -> Stack:
     """timeout_s: how long each worker may take to start (GPU workers warm up first). prefill_env, decode_env: added
     to the environment of those workers (`hooks_env`)."""
     common = ["--model", str(model_dir), "--page-size", "4", "--num-pages", "512", *engine_args]
@@ -195,7 +195,7 @@ def start_stack(model_dir, log_dir: Path, n_prefill=1, n_decode=1, engine_args=(
         common += ["--redis-url", redis_url]
     # The workers start side by side (each spends seconds importing torch and loading the model); the router
     # after them, so that its first poll finds every worker serving.
-    specs = [("prefill", [*common, "--worker-id", f"prefill-{i}"], f"prefill-{i}", prefill_env)
+    specs = [("prefill", [*common, *prefill_args, "--worker-id", f"prefill-{i}"], f"prefill-{i}", prefill_env)
              for i in range(n_prefill)]
     specs += [("decode", [*common, *decode_args, "--worker-id", f"decode-{i}"], f"decode-{i}", decode_env)
               for i in range(n_decode)]

@@ -67,8 +67,8 @@ def test_a_served_tp_worker_whose_rank_hangs_ends_itself(trained_model_dir, tmp_
     """Rank 1 of the prefill worker stopped (alive, so nothing notices it died): the next prompt's collective waits
     --collective-timeout, then the worker ends (exit status 1, saying why) rather than failing every later step,
     and the router answers the prompt with an error instead of hanging."""
-    stack = start_stack(trained_model_dir, tmp_path, engine_args=[*FP32_CPU, "--collective-timeout", "2"],
-                        timeout_s=180)
+    stack = start_stack(trained_model_dir, tmp_path, engine_args=FP32_CPU[:-2],
+                        prefill_args=["--tp", "2", "--collective-timeout", "2"], timeout_s=180)
     rank1 = None
     try:
         prefill = stack.prefill[0]
