@@ -29,7 +29,7 @@ from pdserve.sampling import (
 )
 from pdserve.scheduler import Scheduler, SchedulerConfig, SpecDecode
 from pdserve.spec_decode import NextNSpeculator, SpecObserver, SpeculativeConfig
-from pdserve.common.progress import say
+from pdserve.common.progress import first_line, say
 from pdserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.parallel.driver import Driver
 from pdserve.parallel.group import SINGLE, rank_device
@@ -187,15 +187,14 @@ class LLMEngine:
         or the ranks are out of step (pdserve.parallel.ranks), or the device is broken: a CUDA error such as an
         illegal memory access leaves the context unusable, which a synchronize then reports."""
         if isinstance(error, RankDied):  # (RanksOutOfStep included)
-            return str(error).splitlines()[0] if str(error) else type(error).__name__
+            return first_line(error)
         device = torch.device(self.config.device)
         if device.type != "cuda":
             return None
         try:
             torch.cuda.synchronize(device)
         except Exception as e:  # noqa: BLE001 (whatever it raises, the device cannot run the next step)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return f"its GPU ({device}) can no longer run steps: {first}"
+            return f"its GPU ({device}) can no longer run steps: {first_line(e)}"
         return None
 
     def close(self) -> None:

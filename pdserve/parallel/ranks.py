@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Callable, Optional
 
+from pdserve.common.progress import first_line
 from pdserve.config import ModelConfig
 from pdserve.parallel.group import TPGroup, connect, joining_key, rank_device, store_for
 from pdserve.parallel.worker import RankSetup
@@ -164,7 +165,7 @@ class Ranks:
             if self._failed.wait(NOTICE_S):
                 raise RankDied(self.failure) from e
             self._out_of_step = (f"a step of the {self.size} tensor-parallel ranks failed on rank 0 with every rank "
-                                 f"still running: {str(e).splitlines()[0] if str(e) else type(e).__name__}. A "
+                                 f"still running: {first_line(e)}. A "
                                  f"collective fails so when a rank does not join it within the collective timeout "
                                  f"({self.timeout_s:g}s, --collective-timeout): a rank hangs. The ranks are out of "
                                  "step, so this worker stops")
