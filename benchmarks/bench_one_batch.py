@@ -42,11 +42,13 @@ V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, interme
           rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
           num_nextn_predict_layers=1, torch_dtype="bfloat16", eos_token_id=1, bos_token_id=0)
+# tensors of the routed experts (stacked, one leading row per expert this rank holds), weights and block scales
+EXPERT_TENSORS = (".mlp.w13", ".mlp.w2", ".mlp.w13_scale_inv", ".mlp.w2_scale_inv")
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-def v3_slice(layers: int, fp8: bool) -> ModelConfig:
-    raw = dict(V3, num_hidden_layers=layers)
+def v3_slice(layers: int, fp8: bool, first_dense: int = 1) -> ModelConfig:
+    raw = dict(V3, num_hidden_layers=layers, first_k_dense_replace=first_dense)
     if fp8:
         raw["quantization_config"] = FP8
     return ModelConfig.from_hf_dict(raw, name=f"deepseek-v3-slice-{layers}L")
@@ -91,24 +93,26 @@ def kernel_profile(fn, label: str, top: int = 12) -> list[tuple[str, float]]:
     return [("total", total / 1e3)] + rows
 
 
-def step_bytes(model, cfg: ModelConfig, batch: int, ctx: int, kv_bytes_per_value: int) -> float:
-    """Bytes one decode step must read: every non-expert weight once, the routed experts the batch touches
-    (expected distinct experts under uniform routing), the lm_head, and the KV of every sequence."""
-    per_expert = 0
-    other = 0
+def read_floor(model, cfg, batch: int, ctx: int, kv_bytes_per_value: int, dp_size: int = 1) -> dict:
+    """Bytes the busiest GPU must read in one decode step of `batch` requests of `ctx` tokens, no speculation, from
+    its rank's `model` (bench_v3_8gpu.rank_model, or --rank-of's): every weight it holds once, except the embedding
+    (B rows gathered) and the NextN layer; of its routed experts the expected share a batch touches: each token
+    routes to k of E experts, so an expert escapes all B tokens with probability (1 - k/E)^B (uniform routing),
+    whichever rank holds it; under DP attention (dp_size ranks) the FFN sees every rank's tokens, its attention only
+    ceil(B / dp_size) requests."""
+    weights = experts = 0.0
+    touched = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch if cfg.n_routed_experts else 0.0
     for name, p in model.named_parameters():
         if name.startswith("mtp.") or name == "embed_tokens.weight":
-            continue  # no speculation here; the embedding is a gather of B rows
+            continue
         size = p.numel() * p.element_size()
-        if ".mlp.w13" in name or ".mlp.w2" in name:
-            per_expert += size / cfg.n_routed_experts
+        if name.endswith(EXPERT_TENSORS):
+            experts += size * touched  # (size / experts held) x (expected distinct experts held that are touched)
         else:
-            other += size
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    per_expert /= moe_layers
-    touched = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
-    kv = cfg.kv_cache_dim * kv_bytes_per_value * batch * ctx * cfg.num_hidden_layers
-    return other + moe_layers * touched * per_expert + kv
+            weights += size
+    requests = -(-batch // dp_size)
+    kv = cfg.kv_cache_dim * kv_bytes_per_value * requests * ctx * cfg.num_hidden_layers
+    return dict(weights=weights, experts=experts, kv=kv, total=weights + experts + kv)
 
 
 def decode_batch(pool: LatentKVPool, batch: int, ctx: int, device) -> ForwardBatch:
@@ -135,14 +139,14 @@ def replan_host_us(graphs: DecodeGraphRunner, batch: ForwardBatch) -> float | No
 
 
 def bench_pdserve(args, bw: float) -> list[dict]:
-    cfg = v3_slice(args.layers, fp8=True)
+    cfg = v3_slice(args.layers, fp8=True, first_dense=args.first_dense)
     kernels = KernelBackends.create(args.attention_backend, args.moe_backend, args.gemm_backend)
     t0 = time.monotonic()
     model = load_model(None, cfg, torch.bfloat16, kernels, "dummy", "cuda", tp=rank_group(args.rank_of), ep=args.ep)
     shape = f"rank 0 of TP{args.rank_of}{' + EP' if args.ep else ''} alone, collectives skipped" \
         if args.rank_of > 1 else "one GPU"
-    print(f"[bench] V3 slice ({args.layers} layers + NextN, FP8, {shape}) built in {time.monotonic() - t0:.1f}s, "
-          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+    print(f"[bench] V3 slice ({args.layers} layers, the first {args.first_dense} dense, + NextN, FP8, {shape}) "
+          f"built in {time.monotonic() - t0:.1f}s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
     rows = []
     max_tokens = max([b * c for b in args.batch for c in args.ctx] + list(args.prefill))
     page = 64
@@ -161,7 +165,8 @@ def bench_pdserve(args, bw: float) -> list[dict]:
             eager = cuda_time(lambda: model.logits(model(batch, pool.kv)), iters=5 if b * ctx > 2**20 else 10)
             graph = cuda_time(lambda: graphs.run(batch), iters=20) if graphs else None
             replan_us = replan_host_us(graphs, batch) if graphs else None
-            floor = step_bytes(model, cfg, b, ctx, 2) / (bw / 2)  # copy bw counts read+write: half is reads
+            # the copy's bytes read + written per second (bench_v3_8gpu.floors' NOTE: why not half of it)
+            floor = read_floor(model, cfg, b, ctx, 2)["total"] / bw
             best = graph or eager
             row = dict(batch=b, ctx=ctx, eager_ms=eager * 1e3, graph_ms=graph * 1e3 if graph else None,
                        tok_s=b / best, floor_ms=floor * 1e3, ratio_to_floor=best / floor,
@@ -251,7 +256,10 @@ def bench_vs_transformers(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--layers", type=int, default=4, help="main layers (first one dense) of the V3 slice")
+    p.add_argument("--layers", type=int, default=4, help="main layers of the V3 slice")
+    p.add_argument("--first-dense", type=int, default=1, metavar="N",
+                   help="how many of the first layers are dense (V3: 3; with --layers 61 --rank-of 8, one GPU of "
+                        "DeepSeek-V3's full geometry at TP8)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     p.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096, 16384], help="prompt lengths to prefill")
@@ -267,6 +275,8 @@ def main() -> None:
     args = p.parse_args()
     if args.ep and args.rank_of == 1:
         p.error("--ep needs --rank-of N (N > 1)")
+    if not 0 <= args.first_dense <= args.layers:
+        p.error(f"--first-dense {args.first_dense}: between 0 and --layers ({args.layers})")
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"[bench] {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)

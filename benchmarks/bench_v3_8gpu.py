@@ -48,8 +48,6 @@ TARGET_NEXTN_TOK_S = 110.0
 TARGET_FLOOR_RATIO = 1.3
 PD_CONCURRENCY = (1, 32, 128)
 PD_IN, PD_OUT = 2048, 64
-# tensors of the routed experts (stacked, one leading row per expert this rank holds), weights and block scales
-EXPERT_TENSORS = (".mlp.w13", ".mlp.w2", ".mlp.w13_scale_inv", ".mlp.w2_scale_inv")
 
 
 def config_flags(part: str, n: int, spec_steps: int) -> list[str]:
@@ -89,33 +87,13 @@ def rank_model(cfg, dtype, tp: int, ep: bool, dp_attention: bool):
                        dp_attention=dp_attention)
 
 
-def read_floor(model, cfg, batch: int, ctx: int, kv_bytes_per_value: int, dp_size: int = 1) -> dict:
-    """Bytes the busiest GPU must read in one decode step of `batch` requests of `ctx` tokens, no speculation, from
-    its rank's `model` (rank_model): every weight it holds once, except the embedding (B rows gathered) and the NextN
-    layer; of its routed experts the expected share a batch touches: each token routes to k of E experts, so an
-    expert escapes all B tokens with probability (1 - k/E)^B (uniform routing), whichever rank holds it; under DP
-    attention (dp_size ranks) the FFN sees every rank's tokens, its attention only ceil(B / dp_size) requests."""
-    weights = experts = 0.0
-    touched = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch if cfg.n_routed_experts else 0.0
-    for name, p in model.named_parameters():
-        if name.startswith("mtp.") or name == "embed_tokens.weight":
-            continue
-        size = p.numel() * p.element_size()
-        if name.endswith(EXPERT_TENSORS):
-            experts += size * touched  # (size / experts held) x (expected distinct experts held that are touched)
-        else:
-            weights += size
-    requests = -(-batch // dp_size)
-    kv = cfg.kv_cache_dim * kv_bytes_per_value * requests * ctx * cfg.num_hidden_layers
-    return dict(weights=weights, experts=experts, kv=kv, total=weights + experts + kv)
-
-
 def floors(args, part: str, result: dict) -> dict:
     """The read floor of each measured decode batch of a colocated part at its measured copy bandwidth.
 
     NOTE: the rate is the copy's bytes read + written per second, not half of it: HBM moves reads and writes through
     the same channels, and a step that only reads reaches that rate: a floor at half of it is not one (decode steps
-    have run below bench_one_batch.py's, which halves it)."""
+    have run below such a floor)."""
+    from benchmarks.bench_one_batch import read_floor
     from pdserve.config import ModelConfig
     from pdserve.weights import resolve_dtype
 

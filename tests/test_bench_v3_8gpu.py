@@ -18,7 +18,7 @@ from stack import REPO
 sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_v3_8gpu as v3  # noqa: E402
-from benchmarks.bench_one_batch import FP8, V3  # noqa: E402
+from benchmarks.bench_one_batch import FP8, V3, read_floor  # noqa: E402
 from pdserve.config import ModelConfig  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def test_read_floor_of_v3_at_tp8_batch_1_by_hand(ep):
     cfg = ModelConfig.from_hf_dict(dict(V3, num_hidden_layers=61, first_k_dense_replace=3, quantization_config=FP8))
     model = v3.rank_model(cfg, torch.bfloat16, 8, ep, ep)
     ctx = 1044
-    got = v3.read_floor(model, cfg, 1, ctx, 2, dp_size=8 if ep else 1)
+    got = read_floor(model, cfg, 1, ctx, 2, dp_size=8 if ep else 1)
     heads = 128 if ep else 16  # DP attention: MLA whole on every rank
     weights = (61 * (v3_attention(heads) + 2 * 7168 * 2) + 3 * v3_mlp(18432 // 8)
                + 58 * (256 * 7168 * 4 + v3_mlp(2048 // 8))  # fp32 router, shared expert split 8 ways
@@ -91,7 +91,7 @@ def test_read_floor_of_v3_at_tp8_batch_1_by_hand(ep):
 def test_read_floor_counts_the_experts_a_batch_touches():
     cfg = ModelConfig.from_hf_dict(dict(V3, num_hidden_layers=4, quantization_config=FP8))
     model = v3.rank_model(cfg, torch.bfloat16, 8, True, False)
-    one, many = (v3.read_floor(model, cfg, b, 16, 2)["experts"] for b in (1, 128))
+    one, many = (read_floor(model, cfg, b, 16, 2)["experts"] for b in (1, 128))
     share = 1 - (1 - 8 / 256) ** 128  # each of 32 experts escapes all 128 tokens with probability (248/256)^128
     assert many == pytest.approx(one / (8 / 256) * share, rel=1e-12) and 0.98 < share < 0.99
 
