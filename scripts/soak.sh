@@ -55,6 +55,15 @@ python3 -m pdserve bench --target "127.0.0.1:$ROUTER_PORT" --num-prompts "$NUM" 
   --json "$LOGS/bench.json" >"$LOGS/bench.txt" 2>&1 &
 BENCH=$!
 PIDS+=($BENCH)
+# Each event must come while the load still runs (the checks read what the stack did with requests after it): on a
+# machine slower than this soak's length allows, say so rather than pass checks the load never reached.
+under_load() {
+  kill -0 "$BENCH" 2>/dev/null || {
+    echo "soak: the load ended before $1: this machine needs a longer soak than ${DURATION} s" \
+      "(scripts/soak.sh SECONDS)" >&2
+    exit 1
+  }
+}
 
 BAD_PORT=$(free_port) BAD_METRICS=$(free_port)
 say "an incompatible decode worker starts: pdserve decode --page-size 8 --port $BAD_PORT --redis-url ..."
@@ -78,6 +87,7 @@ print(f"[soak] the incompatible decode worker joined (registered in Redis) {time
 EOF
 
 sleep $((DURATION / 8))
+under_load "the malformed registrations and ownership entries"
 python3 - "$REDIS_URL" <<'EOF'
 import sys
 
@@ -100,6 +110,7 @@ print(f"[soak] wrote a malformed registration of each role, and 3 malformed or u
 EOF
 
 sleep $((DURATION / 8))
+under_load "the 16M-id prompt"
 say "a prompt of 16,000,000 token ids over gRPC"
 BIG_OK=0
 python3 - "127.0.0.1:$ROUTER_PORT" <<'EOF' || BIG_OK=$?
