@@ -477,6 +477,9 @@ def test_a_sender_that_never_releases_loses_its_pairing(cleanup):
     assert decode.cancel(31) is False
     decode.rec.wait_for(lambda: decode.rec.failed, timeout=5)  # released when the pairing was closed
     assert decode.idle
+    # The decode worker records the room's failure before the sender reads the close: a room sent in between would
+    # go on the closing pairing and fail with it.
+    wait_until(lambda: h._conn.broken is not None)
     h2, pages = send(s, decode, 32)  # the sender pairs again
     h2.wait(timeout=10)
     assert landed(decode, 32, pages)
