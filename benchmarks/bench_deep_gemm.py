@@ -9,7 +9,9 @@
 - decode MoE (the masked layout) at batch 1..128 under CUDA graphs: the deep_gemm backend masked and contiguous,
   the Triton backend, and the weight-read floor (experts hit x their fp8 bytes at the copy bandwidth);
 - sizes: the MoE layer from 128 to 4096 tokens on each path (where DeepGEMM overtakes Triton);
-- linear: the deep_gemm and scaled_mm GEMM backends' `linear` (quantization included) at decode-to-prefill rows.
+- linear: the deep_gemm and scaled_mm GEMM backends' `linear` (quantization included) at decode-to-prefill rows;
+- decode-linear: the dense linears at decode's rows under CUDA graphs, each call on a weight copy outside the L2,
+  scaled_mm and the Triton kernel (its tiles and a grid of others) against the weight-read floor.
 
     python benchmarks/bench_deep_gemm.py --out benchmarks/results/h200/deep_gemm.json
 """
@@ -201,6 +203,58 @@ def bench_dense_backends(ms: list[int], shapes: list[str]) -> list[dict]:
     return rows
 
 
+def bench_decode_linear(ms: list[int], shapes: list[str]) -> list[dict]:
+    """Decode's dense linears as it runs them: under a CUDA graph, one call after another, each on its own copy of
+    the weight (enough copies that they overflow the L2, so every call reads HBM as a decode step's layers do), the
+    activation quantization included. The scaled_mm backend (what decode runs below deep_gemm's MIN_ROWS) and the
+    Triton block-FP8 kernel at its own small-M tiles and at a grid of (BLOCK_N, SPLIT_K), against the weight-read
+    floor (the weight's FP8 bytes and block scales at the copy rate)."""
+    from pdserve.kernels import triton_fp8
+    from pdserve.kernels.triton_gemm import ScaledMMGemm, TritonGemm
+
+    bw = copy_bandwidth()
+    backends = {"scaled_mm": ScaledMMGemm(), "triton": TritonGemm()}
+    grid = [(bn, split) for bn in (32, 64, 128) for split in (1, 2, 4, 8)]
+    rows = []
+    for name in shapes:
+        n, k = DENSE[name]
+        wq, ws = block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+        nbytes = wq.numel() + ws.numel() * 4
+        copies = max(4, -(-(256 << 20) // nbytes))
+        weights = [(wq.clone(), ws.clone()) for _ in range(copies)]
+        floor_us = nbytes / bw * 1e6
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"shape": name, "M": m, "N": n, "K": k, "weight_bytes": nbytes, "floor_us": floor_us}
+
+            def each(call):
+                def run():
+                    for w, sc in weights:
+                        call(w, sc)
+                return run
+
+            cands = {label: each(lambda w, sc, g=gemm: g.linear(x, w, sc, (128, 128)))
+                     for label, gemm in backends.items()}
+            for bn, split in grid:
+                cfg = dict(triton_fp8.dense_config(m, n, k), BLOCK_N=bn, SPLIT_K=split)
+                cands[f"triton_n{bn}_k{split}"] = each(
+                    lambda w, sc, cfg=cfg: triton_fp8.block_fp8_matmul(*triton_fp8.per_token_group_quant(x), w, sc,
+                                                                       torch.bfloat16, config=cfg))
+            for label, fn in cands.items():
+                try:
+                    us = graphed_time(fn) / copies * 1e6
+                    row[label] = {"us": us, "x_floor": us / floor_us}
+                except Exception as exc:  # a tile the compiler refuses
+                    row[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            best = min((v["us"], key) for key, v in row.items() if isinstance(v, dict) and "us" in v)
+            row["best"] = best[1]
+            rows.append(row)
+            mm, tri = (row[key].get("us", float("nan")) for key in ("scaled_mm", "triton"))
+            print(f"decode linear {name:>14} M={m:<3} floor {floor_us:7.1f} us | scaled_mm {mm:7.1f} | triton "
+                  f"{tri:7.1f} | best {best[1]} {best[0]:7.1f} us ({best[0] / floor_us:.2f}x the floor)", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 128, 4096, 8192, 16384], help="dense GEMM rows")
@@ -211,7 +265,10 @@ def main() -> None:
                    help="tokens for the MoE layer on each path (sizes section)")
     p.add_argument("--linear-m", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048],
                    help="rows for the GEMM backends' linear (linear section)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["dense", "moe", "ours", "decode", "sizes", "linear"],
+    p.add_argument("--decode-linear-m", type=int, nargs="+", default=[1, 4, 16, 32],
+                   help="rows for the graphed decode linears (decode-linear section)")
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["dense", "moe", "ours", "decode", "sizes", "linear", "decode-linear"],
                    help="sections to leave out (ours: the Triton / Gluon prefill MoE)")
     p.add_argument("--moe-config", help="config table for the Triton fused MoE (kernels/configs/moe/ format; default: "
                                          "the committed one for this GPU, else the untuned default)")
@@ -239,6 +296,8 @@ def main() -> None:
         result["moe_sizes"] = bench_moe_sizes(args.sizes)
     if "linear" not in args.skip:
         result["dense_linear"] = bench_dense_backends(args.linear_m, args.shapes)
+    if "decode-linear" not in args.skip:
+        result["decode_linear"] = bench_decode_linear(args.decode_linear_m, args.shapes)
     if args.out:
         write_json(args.out, result)
 
