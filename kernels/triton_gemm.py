@@ -21,6 +21,10 @@ from .gemm import FP8_DTYPE, GEMM_BACKENDS, GemmBackend
 from .triton_support import triton_installed
 
 GROUP = 128
+# Up to this many rows (decode's batches) the Triton kernel runs even where scaled_mm is on: under CUDA graphs its
+# small-M tiles (narrow N tiles, split-K) beat cuBLAS's blockwise kernels on every V3 projection
+# (benchmarks/results/h200/checks/decode_linear/).
+TRITON_MAX_ROWS = 16
 
 
 def scaled_mm_blockwise_available() -> bool:
@@ -45,8 +49,9 @@ def scaled_mm_weight_scale(scale_inv: torch.Tensor) -> torch.Tensor:
 class TritonGemm(GemmBackend):
     """Block-FP8 weights: Triton per-token-group quantization + Triton block-scaled GEMM; other weights: torch.
 
-    use_scaled_mm=True routes FP8 GEMMs through torch's blockwise `scaled_mm` (cuBLAS) where it takes the shape,
-    the Triton kernel elsewhere (the "scaled_mm" registry name is this with use_scaled_mm=True)."""
+    use_scaled_mm=True routes FP8 GEMMs of more than TRITON_MAX_ROWS rows through torch's blockwise `scaled_mm`
+    (cuBLAS) where it takes the shape, the Triton kernel elsewhere (the "scaled_mm" registry name is this with
+    use_scaled_mm=True)."""
 
     graph_safe = True
 
@@ -78,7 +83,8 @@ class TritonGemm(GemmBackend):
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
         n = weight.shape[0]
         ragged_kb = (k // GROUP) % 4 != 0
-        if self.use_scaled_mm and k % GROUP == 0 and n % GROUP == 0 and not (ragged_kb and self._ragged_kb_refused):
+        if (self.use_scaled_mm and x2.shape[0] > TRITON_MAX_ROWS and k % GROUP == 0 and n % GROUP == 0
+                and not (ragged_kb and self._ragged_kb_refused)):
             y = self._scaled_mm(x2, weight, scale_inv, out_dtype, ragged_kb)
         else:
             y = None

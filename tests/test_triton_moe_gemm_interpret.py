@@ -116,6 +116,24 @@ def test_triton_gemm_linear(dtype):
     assert torch.equal(gemm.linear(x, wd, None, None), F.linear(x, wd))
 
 
+@pytest.mark.skipif(not triton_gemm.scaled_mm_blockwise_available(), reason="this torch has no blockwise scaled_mm")
+def test_scaled_mm_backend_leaves_decode_rows_to_the_triton_kernel(monkeypatch):
+    """Up to TRITON_MAX_ROWS rows the scaled_mm backend runs the Triton kernel (decode's batches, where its
+    small-M tiles are faster under CUDA graphs); from one row more, cuBLAS (here a stand-in that records the call)."""
+    gemm = triton_gemm.ScaledMMGemm()
+    calls = []
+    monkeypatch.setattr(gemm, "_scaled_mm", lambda x2, *a: calls.append(x2.shape[0]) or None)  # None: Triton after
+    gen = torch.Generator().manual_seed(4)
+    wq, ws = block_quant(torch.randn(256, 512, generator=gen) * 0.05)
+    for m in (1, triton_gemm.TRITON_MAX_ROWS, triton_gemm.TRITON_MAX_ROWS + 1):
+        x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
+        y = gemm.linear(x, wq, ws, (128, 128))
+        ref = block_dequant(*per_token_group_quant(x), (1, 128), torch.float64) @ \
+            block_dequant(wq, ws, (128, 128), torch.float64).T
+        assert rel_err(y, ref) < 8e-3
+    assert calls == [triton_gemm.TRITON_MAX_ROWS + 1]
+
+
 def testscaled_mm_weight_scale_layout():
     scale = torch.rand(3, 5)  # N/128 = 3, K/128 = 5: not a multiple of 4
     sb = triton_gemm.scaled_mm_weight_scale(scale)
