@@ -147,3 +147,98 @@ def test_up_hands_its_tensor_parallel_flags_to_its_workers():
     dp = build_parser().parse_args(["up", "--tp", "2", "--dp-attention"])
     assert "--dp-attention" in role_flags(dp, "decode") and "--dp-attention" not in role_flags(dp, "prefill")
     assert "--dp-attention" not in engine_flags(dp)
+
+
+# ---- how `up` learns its workers' ports ----------------------------------------------------------------------------
+# A worker binds a free port itself once it is ready and writes it to a pipe (--port 0 --ready-fd): a port `up` chose
+# and the worker bound after its model load and warm-up could be taken meanwhile (by another program, or as the local
+# end of any outgoing connection), and the stack would then fail to start.
+
+FAKE_WORKER = """
+import os, sys, time
+fd = int(sys.argv[sys.argv.index("--ready-fd") + 1])
+assert sys.argv[sys.argv.index("--port") + 1] == "0"
+mode = os.environ["FAKE_WORKER"]
+if mode == "exit":
+    sys.exit(3)
+if mode == "garbage":
+    os.write(fd, b"ready!\\n")
+if mode == "port":
+    os.write(fd, b"123")
+    time.sleep(0.3)  # the line in two writes
+    os.write(fd, b"45\\n")
+time.sleep(30)
+"""
+
+
+def fake_workers(modes: list[str]):
+    from pdserve.cli.up import _start_worker
+
+    return [(f"role{i}", *_start_worker([sys.executable, "-c", FAKE_WORKER], {**os.environ, "FAKE_WORKER": mode},
+                                        os.getpid()))
+            for i, mode in enumerate(modes)]
+
+
+@pytest.mark.parametrize("modes, error", [
+    (["port", "port"], None),
+    (["port", "exit"], "role1 worker 0 exited with status 3 while starting"),
+    (["garbage"], "role0 worker 0 (pid "),
+    (["silent"], "role0 worker 0 not ready within 1 s (--start-timeout)"),
+])
+def test_up_reads_each_workers_port_from_its_pipe_and_says_which_failed(modes, error, capsys):
+    from pdserve.cli.up import _stop_workers, _wait_workers
+
+    starting = fake_workers(modes)
+    try:
+        if error is None:
+            assert _wait_workers(starting, timeout_s=20) == [12345, 12345]
+            assert capsys.readouterr().err.count("worker 127.0.0.1:12345 ready after") == 2
+        else:
+            with pytest.raises((RuntimeError, TimeoutError)) as err:
+                _wait_workers(starting, timeout_s=1)
+            assert str(err.value).startswith(error), err.value
+            if modes == ["garbage"]:
+                assert "wrote no port to its --ready-fd pipe (it wrote b'ready!\\n')" in str(err.value)
+    finally:
+        _stop_workers([proc for _, proc, _ in starting])
+    for _, _, fd in starting:  # _wait_workers closed every pipe
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_a_worker_writes_the_port_it_bound_to_its_ready_fd(tiny_v3_dir, tmp_path):
+    from pdserve.cli.up import _start_worker, _stop_workers, _wait_workers
+
+    cmd = [sys.executable, "-m", "pdserve", "prefill", "--model", str(tiny_v3_dir), "--page-size", "4"]
+    starting = [("prefill", *_start_worker(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, os.getpid()))]
+    try:
+        (port,) = _wait_workers(starting, timeout_s=60)
+        wait_serving(Proc("prefill", f"127.0.0.1:{port}", starting[0][1], 0, tmp_path / "none.log"), timeout_s=5)
+    finally:
+        _stop_workers([starting[0][1]])
+
+
+def test_a_ready_fd_that_is_not_open_is_refused_before_the_model_loads(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pdserve", "decode", "--model", str(tmp_path / "missing"),
+                          "--ready-fd", "97"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "pdserve decode: error: --ready-fd 97: not an open file descriptor (Bad file " \
+                                 "descriptor)", out.stderr
+
+
+def test_up_holds_the_routers_ports_while_its_workers_start_and_leaves_the_workers_metrics_ports_free():
+    """While `up` holds them bound, the kernel gives no worker one of the router's ports as its free port."""
+    from pdserve.cli import build_parser
+    from pdserve.cli.up import _port_taken, check_up_ports
+
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    args = build_parser().parse_args(["up", "--port", str(grpc_port), "--http-port", str(http_port),
+                                      "--metrics-port", str(metrics_port), "--prefill", "1", "--decode", "1"])
+    held = check_up_ports(args)
+    try:
+        assert sorted(s.getsockname()[1] for s in held) == sorted([grpc_port, http_port, metrics_port])
+        assert [_port_taken("127.0.0.1", metrics_port + k) for k in (1, 2)] == [None, None]
+    finally:
+        for s in held:
+            s.close()
+    assert _port_taken("127.0.0.1", grpc_port) is None  # the router binds it once `up` lets go

@@ -29,6 +29,10 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one, printed at start)")
     g.add_argument("--advertise-host", default=None, help="host peers should dial (default: --host)")
+    g.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                   help="once serving, write the gRPC port as one line to this inherited file descriptor and close "
+                        "it: how a supervisor that starts workers with --port 0 learns their ports (pdserve up "
+                        "does)")
     g.add_argument("--worker-id", default=None, help="stable id (default: role-hostname-pid-random)")
     g.add_argument("--kv-transport", default="auto", choices=LazyChoices(kv_transport_names),
                    help=KV_TRANSPORT_HELP)
@@ -208,6 +212,30 @@ def _show_kv_pairings() -> None:
         kv_log.setLevel(logging.INFO)
 
 
+def _check_ready_fd(fd: Optional[int]) -> None:
+    """Before the model loads: a --ready-fd that is not open would otherwise fail only after it."""
+    from pdserve.cli.engine_args import UsageError
+
+    if fd is None:
+        return
+    try:
+        os.fstat(fd)
+    except OSError as e:
+        raise UsageError(f"--ready-fd {fd}: not an open file descriptor ({e.strerror})") from None
+
+
+def _announce_ready(fd: Optional[int], port: int) -> None:
+    """--ready-fd: the port, once the server is up. A supervisor that has gone away (a closed pipe) is not this
+    worker's failure: it is told to stop the usual way."""
+    if fd is None:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{port}\n")
+    except OSError as e:
+        log.warning("--ready-fd %d: could not announce port %d: %s", fd, port, e)
+
+
 def _startup_times(start: float, built: float, warmup) -> str:
     """' (ready in 9.1 s: engine 3.2 s, warm-up 5.9 s)': where a worker's start-up went."""
     parts = [f"engine {built:.1f} s"] + ([f"warm-up {warmup.seconds:.1f} s"] if warmup else ["no warm-up"])
@@ -220,6 +248,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdserve.prefill_service.publisher import OwnershipPublisher
     from pdserve.prefill_service.server import PrefillWorker, PrefillWorkerConfig, serve_prefill
 
+    _check_ready_fd(args.ready_fd)
     _nccl_error_handling(args)
     _show_kv_pairings()
     start = time.monotonic()
@@ -251,6 +280,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         state["registration"] = _register(args, worker, "prefill", mport)
         _say(f"prefill worker {worker.identity.worker_id} serving on {worker.identity.address}"
              + (f", metrics on :{mport}" if mport else "") + _startup_times(start, built, worker.warmup_report))
+        _announce_ready(args.ready_fd, port)
 
     asyncio.run(serve_prefill(worker, ready=ready))
     for key in ("registration", "publisher"):
@@ -264,6 +294,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from pdserve.decode_service.server import DecodeWorker, DecodeWorkerConfig, serve_decode
     from pdserve.serving.metrics import Metrics
 
+    _check_ready_fd(args.ready_fd)
     _nccl_error_handling(args)
     _show_kv_pairings()
     start = time.monotonic()
@@ -289,6 +320,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         _say(f"decode worker {worker.identity.worker_id} serving on {worker.identity.address}, KV receiver on "
              f"{worker.kv_endpoint}" + (f", metrics on :{mport}" if mport else "")
              + _startup_times(start, built, worker.warmup_report))
+        _announce_ready(args.ready_fd, port)
 
     asyncio.run(serve_decode(worker, ready=ready))
     if state.get("registration"):

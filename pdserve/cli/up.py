@@ -1,7 +1,7 @@
 """`pdserve up`: router + prefill + decode worker processes on this machine, until interrupted.
 
 Checks every port and the model before any worker starts, starts the workers (each dies with `up` however `up`
-dies), waits until each reports SERVING (after its warm-up), then runs the router in this process.
+dies), waits until each reports the port it serves on (after its warm-up), then runs the router in this process.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -25,60 +26,72 @@ if TYPE_CHECKING:
     from pdserve.cli.gpu_layout import Placement
 
 
-def _free_port(avoid: frozenset[int] = frozenset()) -> int:
-    """A free port, never one of `avoid` (the fixed ports `up` has yet to bind)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
+def _start_worker(cmd: list[str], env: dict[str, str], up_pid: int) -> tuple[subprocess.Popen, int]:
+    """`cmd` with --port 0 --ready-fd: the worker binds a free port itself once it is ready and writes it to a pipe,
+    whose read end is returned with the process. (A port chosen here and bound after the model load and warm-up
+    could be taken meanwhile: by another program, or as the local end of any outgoing connection.)"""
+    r, w = os.pipe()
+    try:
+        # Own session: a Ctrl-C in the terminal reaches `up` alone, which then stops the workers in order.
+        proc = subprocess.Popen([*cmd, "--port", "0", "--ready-fd", str(w)], env=env, pass_fds=(w,),
+                                preexec_fn=lambda: _die_with_parent(up_pid), start_new_session=True)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return proc, r
 
 
-def _wait_workers(procs: list[tuple[str, subprocess.Popen]], timeout_s: float, note_every_s: float = 10.0,
-                  stages: str = "model load, then the warm-up") -> None:
-    """Until every worker ("role:host:port", process) reports SERVING, which it does once its model is loaded and
-    its warm-up has run; one line per worker when it is ready, and who is still starting every note_every_s (with
-    `stages`, what a starting worker goes through)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+def _wait_workers(starting: list[tuple[str, subprocess.Popen, int]], timeout_s: float, note_every_s: float = 10.0,
+                  stages: str = "model load, then the warm-up") -> list[int]:
+    """Until every worker (its role, process and the read end of its --ready-fd pipe) has written its port, which it
+    does once its model is loaded, its warm-up has run and its server is up; one line per worker when it is ready,
+    and who is still starting every note_every_s (with `stages`, what a starting worker goes through). Returns the
+    ports in the order of `starting`; closes the pipes."""
     start = time.monotonic()
-    waiting = dict(procs)
-    # NOTE: a port that opens only after the warm-up: gRPC's default reconnect backoff (1 s growing to 120 s) would
-    # notice it up to a minute late.
-    fast_retry = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                  ("grpc.max_reconnect_backoff_ms", 500)]
-    channels = {name: grpc.insecure_channel(name.split(":", 1)[1], fast_retry) for name in waiting}
+    labels = [f"{role} worker {sum(r == role for r, _, _ in starting[:i])}" for i, (role, _, _) in enumerate(starting)]
+    lines = [b""] * len(starting)
+    ports: dict[int, int] = {}
     next_note = start + note_every_s
     try:
-        while waiting:
-            for name, proc in list(waiting.items()):
-                role, address = name.split(":", 1)
+        while len(ports) < len(starting):
+            waiting = [i for i in range(len(starting)) if i not in ports]
+            readable, _, _ = select.select([starting[i][2] for i in waiting], [], [], 0.2)
+            for i in waiting:
+                role, proc, fd = starting[i]
+                if fd not in readable:
+                    continue
+                chunk = os.read(fd, 64)
+                lines[i] += chunk
+                if chunk and b"\n" not in lines[i]:
+                    continue  # the rest of the line is on its way
+                line = lines[i].split(b"\n")[0].strip()
+                if line.isdigit():
+                    ports[i] = int(line)
+                    _say(f"{role} worker 127.0.0.1:{ports[i]} ready after {time.monotonic() - start:.1f} s")
+                    continue
+                if not chunk:  # the pipe closed without a port: the worker is ending
+                    try:
+                        proc.wait(timeout=5.0)
+                    except subprocess.TimeoutExpired:
+                        pass
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{role} worker at {address} exited with status {proc.returncode} while "
-                                       "starting")
-                try:
-                    serving = health_pb2_grpc.HealthStub(channels[name]).Check(
-                        health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING
-                except grpc.RpcError:  # its port opens after the warm-up
-                    serving = False
-                if serving:
-                    del waiting[name]
-                    _say(f"{role} worker {address} ready after {time.monotonic() - start:.1f} s")
+                    raise RuntimeError(f"{labels[i]} exited with status {proc.returncode} while starting")
+                raise RuntimeError(f"{labels[i]} (pid {proc.pid}) wrote no port to its --ready-fd pipe (it wrote "
+                                   f"{lines[i][:64]!r})")
             now = time.monotonic()
+            waiting = [labels[i] for i in range(len(starting)) if i not in ports]
             if waiting and now - start > timeout_s:
-                raise TimeoutError(f"workers {', '.join(n.split(':', 1)[1] for n in waiting)} not ready within "
-                                   f"{timeout_s:.0f} s (--start-timeout)")
+                raise TimeoutError(f"{', '.join(waiting)} not ready within {timeout_s:.0f} s (--start-timeout)")
             if waiting and now >= next_note:
                 _say(f"still starting after {now - start:.0f} s: {', '.join(waiting)} ({stages}: their own lines "
                      "say which)")
                 next_note += note_every_s
-            if waiting:
-                time.sleep(0.2)
     finally:
-        for channel in channels.values():
-            channel.close()
+        for _, _, fd in starting:
+            os.close(fd)
+    return [ports[i] for i in range(len(starting))]
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -198,16 +211,25 @@ def _die_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _port_taken(host: str, port: int) -> Optional[str]:
-    """Why `port` cannot be listened on at `host` (None when it can): a bind without SO_REUSEPORT, as our servers
-    now bind."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
+def _bound(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and not listening, as our servers bind (no SO_REUSEPORT); OSError if it cannot
+    be."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to listen on
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return e.strerror or str(e)
+        s.bind((host, port))
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _port_taken(host: str, port: int) -> Optional[str]:
+    """Why `port` cannot be listened on at `host` (None when it can)."""
+    try:
+        _bound(host, port).close()
+    except OSError as e:
+        return e.strerror or str(e)
     return None
 
 
@@ -225,22 +247,37 @@ def up_ports(args: argparse.Namespace) -> dict[str, int]:
     return {flag: port for flag, port in ports.items() if port}
 
 
-def check_up_ports(args: argparse.Namespace) -> None:
-    """Before any worker starts: each port valid, distinct and free, else a UsageError naming the flag."""
+def check_up_ports(args: argparse.Namespace) -> list[socket.socket]:
+    """Before any worker starts: each port valid, distinct and free, else a UsageError naming the flag. Returns the
+    router's own ports bound, not listening: while they are held no worker can get one as its free port (the kernel
+    hands out no port that is bound); the caller closes them just before the router listens."""
     from pdserve.cli.engine_args import UsageError
 
     seen: dict[int, str] = {}
-    for flag, port in up_ports(args).items():
-        if not 0 < port < 65536:
-            raise UsageError(f"{flag}: {port} is not a port number (1-65535, or 0 for a free one)")
-        if port in seen:
-            raise UsageError(f"{seen[port]} and {flag} are both {port}: give each its own port")
-        seen[port] = flag
-        why = _port_taken(args.host, port)
-        if why:
-            worker = " (worker metrics: --metrics-port + 1 + worker index)" if "+" in flag else ""
-            raise UsageError(f"{flag.split('+')[0]}: cannot listen on {args.host}:{port}{worker}: {why} (another "
-                             f"pdserve up, or another program, holds it); pick another with {flag.split('+')[0]}")
+    held: list[socket.socket] = []
+    try:
+        for flag, port in up_ports(args).items():
+            if not 0 < port < 65536:
+                raise UsageError(f"{flag}: {port} is not a port number (1-65535, or 0 for a free one)")
+            if port in seen:
+                raise UsageError(f"{seen[port]} and {flag} are both {port}: give each its own port")
+            seen[port] = flag
+            try:
+                bound = _bound(args.host, port)
+            except OSError as e:
+                worker = " (worker metrics: --metrics-port + 1 + worker index)" if "+" in flag else ""
+                raise UsageError(f"{flag.split('+')[0]}: cannot listen on {args.host}:{port}{worker}: "
+                                 f"{e.strerror or e} (another pdserve up, or another program, holds it); pick another "
+                                 f"with {flag.split('+')[0]}") from None
+            if "+" in flag:  # a worker's metrics port: the worker binds it as it starts
+                bound.close()
+            else:
+                held.append(bound)
+    except BaseException:
+        for bound in held:
+            bound.close()
+        raise
+    return held
 
 
 def _endpoints_table(args: argparse.Namespace, ports: dict, workers: list[tuple[str, str, Optional[int]]]) -> str:
@@ -271,9 +308,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             _say(f"no --model given and no trained demo model: making a random tiny model in {args.model}")
             make_tiny_model(args.model)
     args.model = resolve_model_dir(args.model)  # before any worker starts, as are the ports
-    check_up_ports(args)
+    held = check_up_ports(args)  # the router's ports, held until it listens on them
+    try:
+        return _start_and_serve(args, held)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _start_and_serve(args: argparse.Namespace, held: list[socket.socket]) -> int:
     args.device = resolved_device(args.device)
-    fixed_ports = frozenset(up_ports(args).values())
     up_start = time.monotonic()
     from pdserve.serving.nixl_flags import check_nixl_backend
 
@@ -282,9 +326,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_cpu_backends(args, layout)
     devices = list(layout.devices)
     decode_share = decode_gpu_share(args, layout)
-    procs: list[tuple[str, subprocess.Popen]] = []
+    starting: list[tuple[str, subprocess.Popen, int]] = []  # (role, process, read end of its --ready-fd pipe)
     up_pid = os.getpid()
-    worker_metrics: dict[str, Optional[int]] = {}
+    metrics_ports: list[Optional[int]] = []
     common = engine_flags(args) + ["--transfer-timeout", str(args.transfer_timeout), "--kv-transport",
                                    args.kv_transport]
     if args.redis_url:
@@ -293,21 +337,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         common += ["--nixl-backend", args.nixl_backend]
     env = worker_env(args, os.environ)
     try:
-        k = 0
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
-                port = _free_port(fixed_ports)
-                cmd = [sys.executable, "-m", "pdserve", role, "--port", str(port), "--worker-id",
-                       f"{role}-{i}", *common, "--device", devices.pop(0), *role_flags(args, role, decode_share)]
-                name = f"{role}:127.0.0.1:{port}"
+                cmd = [sys.executable, "-m", "pdserve", role, "--worker-id", f"{role}-{i}", *common, "--device",
+                       devices.pop(0), *role_flags(args, role, decode_share)]
                 if not args.no_metrics:
-                    mport = args.metrics_port + 1 + k if args.metrics_port else 0
+                    mport = args.metrics_port + 1 + len(starting) if args.metrics_port else 0
                     cmd += ["--metrics-port", str(mport)]
-                    worker_metrics[name] = mport or None
-                k += 1
-                # Own session: a Ctrl-C in the terminal reaches `up` alone, which then stops the workers in order.
-                procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=lambda: _die_with_parent(up_pid),
-                                                       start_new_session=True)))
+                metrics_ports.append(None if args.no_metrics else mport)
+                starting.append((role, *_start_worker(cmd, env, up_pid)))
         _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model}; each loads the "
              "model, then runs its warm-up, then reports ready ...")
         for line in layout.describe(args.kv_transport):
@@ -319,8 +357,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         if decode_share < 1 and on_gpu:
             _say(f"while prompts are being prefilled, decode steps keep to {decode_share:.2g} of the GPU's time "
                  "(--decode-gpu-share; 1 = back to back)")
-        _wait_workers(procs, args.start_timeout, note_every_s=5.0,
-                      stages="model load, CUDA graphs, then the warm-up" if on_gpu else "model load, then the warm-up")
+        worker_ports = _wait_workers(starting, args.start_timeout, note_every_s=5.0,
+                                     stages="model load, CUDA graphs, then the warm-up" if on_gpu
+                                     else "model load, then the warm-up")
+        addresses = [(role, f"127.0.0.1:{port}") for (role, _, _), port in zip(starting, worker_ports)]
         workers_ready = time.monotonic() - up_start
         router_args = argparse.Namespace(
             host=args.host, port=args.port, redis_url=args.redis_url, model=args.model,
@@ -329,17 +369,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             internal_token=args.internal_token, api_key=args.api_key,
             skip_warmup=getattr(args, "skip_warmup", False),
             http_port=None if args.no_http else args.http_port,
-            prefill=[n.split(":", 1)[1] for n, _ in procs if n.startswith("prefill")],
-            decode=[n.split(":", 1)[1] for n, _ in procs if n.startswith("decode")])
-
-        def n_of_role(name: str) -> int:
-            role = name.split(":")[0]
-            return [n for n, _ in procs if n.startswith(role + ":")].index(name)
+            prefill=[a for role, a in addresses if role == "prefill"],
+            decode=[a for role, a in addresses if role == "decode"])
 
         def ready(ports: dict) -> None:
-            workers = [(f"{n.split(':')[0]} worker {n_of_role(n)}", n.split(":", 1)[1], worker_metrics.get(n))
-                       for n, _ in procs]
-            if any(m == 0 for m in worker_metrics.values()):
+            workers = [(f"{role} worker {i if role == 'prefill' else i - args.prefill}", address,
+                        metrics_ports[i] or None) for i, (role, address) in enumerate(addresses)]
+            if 0 in metrics_ports:
                 workers = [(w, a, None) for w, a, _ in workers]  # free ports: their own lines above name them
             try_http = (f"\n  or OpenAI: curl http://{args.host}:{ports['http']}/v1/completions -H 'Content-Type: "
                         f"application/json' -d '{{\"model\": \"{os.path.basename(args.model)}\", \"prompt\": "
@@ -349,23 +385,25 @@ def cmd_up(args: argparse.Namespace) -> int:
                  + f"\nTry:  pdserve generate --target {args.host}:{ports['grpc']} --prompt 'Hello' "
                  "--max-new-tokens 16" + try_http + "\n(Ctrl-C stops everything)")
 
+        for sock in held:  # the router binds them now
+            sock.close()
         asyncio.run(run_router(router_args, on_ready=ready))
     except KeyboardInterrupt:  # Ctrl-C before the router took over the signals: a normal stop
         pass
     finally:
-        _stop_workers(procs)
+        _stop_workers([proc for _, proc, _ in starting])
     return 0
 
 
-def _stop_workers(procs: list[tuple[str, subprocess.Popen]]) -> None:
+def _stop_workers(procs: list[subprocess.Popen]) -> None:
     """SIGTERM (each drains), then SIGKILL after 10 s; a second Ctrl-C meanwhile does not leave them behind."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for _, proc in procs:
+    for proc in procs:
         if proc.poll() is None:
             proc.terminate()
-    for _, proc in procs:
+    for proc in procs:
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
