@@ -1,4 +1,4 @@
-"""A real `redis-server` for tests: own ephemeral port, no persistence, stoppable and restartable on the same port.
+"""A real `redis-server` for tests: own free port (stack.free_port), no persistence, stoppable and restartable on the same port.
 
     from redis_server import RedisServer, redis_fixture
     redis_server = redis_fixture()            # in a test module: a fixture yielding a running RedisServer
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,13 +21,9 @@ from typing import Optional
 import pytest
 import redis
 
+from stack import free_port
+
 REDIS_SERVER = os.environ.get("PDSERVE_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -39,9 +39,47 @@ def hooks_env(**variables: float) -> dict[str, str]:
 _HANDED_OUT: set[int] = set()
 
 
+def _port_range() -> range:
+    """Where this test process takes its ports: below the kernel's ephemeral range, which it hands out for every
+    port-0 bind and the local end of every outgoing connection (so none of those can take a port a test has picked
+    for a process that binds it later), and a slice of its own per pytest-xdist worker (so the two never pick the
+    same one). Where no room is left below that range, the ephemeral range itself."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = 15000  # above the fixed ports the tests and `pdserve up`'s defaults use (8000, 9100-9199)
+    if low - first < 2000:
+        return range(0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    width = (low - first) // max(workers, 1)
+    return range(first + index * width, first + (index + 1) * width)
+
+
+_PORTS = _port_range()
+_next = [os.getpid() % max(len(_PORTS), 1)]  # (processes of other runs start elsewhere in the slice)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as our servers bind: a port in TIME_WAIT is free
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A port nothing listens on now, never one handed out before in this process: start_all asks for the ports of
     several processes before any of them binds, and the kernel may offer a just-closed port again."""
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next[0] % len(_PORTS)]
+        _next[0] += 1
+        if port not in _HANDED_OUT and _bindable(port):
+            _HANDED_OUT.add(port)
+            return port
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
