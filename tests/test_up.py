@@ -242,3 +242,23 @@ def test_up_holds_the_routers_ports_while_its_workers_start_and_leaves_the_worke
         for s in held:
             s.close()
     assert _port_taken("127.0.0.1", grpc_port) is None  # the router binds it once `up` lets go
+
+
+def test_a_progress_line_is_one_write_so_workers_sharing_a_terminal_do_not_run_into_each_other(monkeypatch):
+    from pdserve.common import progress
+
+    class Recording:
+        writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recording())
+    progress.say("decode worker decode-0 serving on 127.0.0.1:40127")
+    progress.stderr_line("pdserve prefill: error: --port: cannot listen")
+    assert Recording.writes == ["[pdserve] decode worker decode-0 serving on 127.0.0.1:40127\n",
+                                "pdserve prefill: error: --port: cannot listen\n"]

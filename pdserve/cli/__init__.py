@@ -17,6 +17,7 @@ from pdserve.cli import bench, engine_commands, serve
 from pdserve.cli import up as up_command
 from pdserve.cli.choices import ArgumentParser, LazyChoices
 from pdserve.cli.gpu_layout import gpu_list
+from pdserve.common.progress import stderr_line
 from pdserve.cli.engine_args import (  # noqa: F401  (the CLI's API: tests and tools build configs with them)
     UsageError, add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args,
     _token_ids,
@@ -199,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:  # PDSERVE_<FLAG> variables are the flags' defaults; flags given here win
         args = parse_args(build_parser(), argv, os.environ)
     except EnvError as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
+        stderr_line(f"pdserve: error: {e}")
         return 2
     if args.command in SERVER_COMMANDS:
         stop_on_ctrl_c()
@@ -213,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UsageError, ValueError, OSError, RuntimeError) as e:  # (FileExistsError, TimeoutError: OSErrors)
         if not _raised_by_pdserve(e):
             raise  # an internal error: its traceback, exit 1
-        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        stderr_line(f"pdserve {args.command}: error: {e}")
         return 2
     except KeyboardInterrupt:  # servers stop on Ctrl-C as asked; a one-off command was interrupted
         return 0 if args.command in SERVER_COMMANDS else 130

@@ -6,7 +6,14 @@ import sys
 
 
 def say(msg: str) -> None:
-    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+    stderr_line(f"[pdserve] {msg}")
+
+
+def stderr_line(text: str) -> None:
+    """`text` and its newline in one write. NOTE: stderr writes through, so print() makes the text and the newline
+    two writes, and the lines of processes sharing a terminal (`pdserve up`'s workers) can run into each other."""
+    sys.stderr.write(f"{text}\n")
+    sys.stderr.flush()
 
 
 def first_line(error: BaseException) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any, Callable, Optional
 
-from pdserve.common.progress import first_line
+from pdserve.common.progress import first_line, stderr_line
 from pdserve.config import ModelConfig
 from pdserve.parallel.group import TPGroup, connect, joining_key, rank_device, store_for
 from pdserve.parallel.worker import RankSetup
@@ -141,10 +141,10 @@ class Ranks:
             self.failure = (f"tensor-parallel rank {r.rank} of {self.size} (pid {r.process.pid}, {r.device}) "
                             f"{_how_it_ended(code)}: this worker cannot run without it and stops")
             self._failed.set()
-        print(f"pdserve: {self.failure}", file=sys.stderr, flush=True)
+        stderr_line(f"pdserve: {self.failure}")
         if self._closing.wait(EXIT_GRACE_S):
             return
-        print("pdserve: ending this worker (it did not stop by itself)", file=sys.stderr, flush=True)
+        stderr_line("pdserve: ending this worker (it did not stop by itself)")
         os._exit(1)
 
     def check(self) -> None:
@@ -207,8 +207,7 @@ class Ranks:
             try:
                 release()
             except RuntimeError as e:  # a broken device: the group's close below is all that is left to try
-                print(f"pdserve: stopping the tensor-parallel ranks: releasing rank 0's CUDA graphs failed: {e}",
-                      file=sys.stderr, flush=True)
+                stderr_line(f"pdserve: stopping the tensor-parallel ranks: releasing rank 0's CUDA graphs failed: {e}")
         for r in self._ranks:
             if not healthy:
                 r.process.kill()  # mid-step, hung or gone: no stop message would be read

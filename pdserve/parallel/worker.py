@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pdserve.common.progress import stderr_line
 from pdserve.config import ModelConfig
 from pdserve.cuda_streams import make_current
 from pdserve.kernels import KernelBackends
@@ -110,8 +111,7 @@ def _exit_with_parent(parent_pid: int, rank: int) -> None:
     while True:
         time.sleep(PARENT_POLL_S)
         if os.getppid() != parent_pid:
-            print(f"pdserve: tensor-parallel rank {rank}: rank 0 (pid {parent_pid}) is gone; exiting", file=sys.stderr,
-                  flush=True)
+            stderr_line(f"pdserve: tensor-parallel rank {rank}: rank 0 (pid {parent_pid}) is gone; exiting")
             os._exit(1)
 
 
@@ -130,17 +130,15 @@ def main(fd: int) -> None:
         loop.release_graphs()
         loop.tp.close()
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        print(f"pdserve: tensor-parallel rank {rank}: rank 0 (pid {setup.parent_pid}) is gone; exiting",
-              file=sys.stderr, flush=True)
+        stderr_line(f"pdserve: tensor-parallel rank {rank}: rank 0 (pid {setup.parent_pid}) is gone; exiting")
         sys.exit(1)
     except BaseException:
         time.sleep(PARENT_POLL_S)  # a collective that failed because rank 0 died: say that, not its traceback
         if os.getppid() != setup.parent_pid:
-            print(f"pdserve: tensor-parallel rank {rank}: rank 0 (pid {setup.parent_pid}) is gone; exiting",
-                  file=sys.stderr, flush=True)
+            stderr_line(f"pdserve: tensor-parallel rank {rank}: rank 0 (pid {setup.parent_pid}) is gone; exiting")
             sys.exit(1)
         traceback.print_exc()
-        print(f"pdserve: tensor-parallel rank {rank} failed (traceback above)", file=sys.stderr, flush=True)
+        stderr_line(f"pdserve: tensor-parallel rank {rank} failed (traceback above)")
         sys.exit(1)
 
 
