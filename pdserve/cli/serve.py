@@ -213,13 +213,15 @@ def _show_kv_pairings() -> None:
 
 
 def _check_ready_fd(fd: Optional[int]) -> None:
-    """Before the model loads: a --ready-fd that is not open would otherwise fail only after it."""
+    """Before the model loads: a --ready-fd that is not open would otherwise fail only after it. Not passed on to
+    this worker's own children (its tensor-parallel ranks, compilers): one of them holding it open would hide this
+    worker's exit from the supervisor reading the pipe."""
     from pdserve.cli.engine_args import UsageError
 
     if fd is None:
         return
     try:
-        os.fstat(fd)
+        os.set_inheritable(fd, False)
     except OSError as e:
         raise UsageError(f"--ready-fd {fd}: not an open file descriptor ({e.strerror})") from None
 
