@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -58,7 +59,7 @@ def _port_range() -> range:
 
 
 _PORTS = _port_range()
-_next = [os.getpid() % max(len(_PORTS), 1)]  # (processes of other runs start elsewhere in the slice)
+_TURN = itertools.count(os.getpid())  # (processes of other runs start elsewhere in the slice)
 
 
 def _bindable(port: int) -> bool:
@@ -75,8 +76,7 @@ def free_port() -> int:
     """A port nothing listens on now, never one handed out before in this process: start_all asks for the ports of
     several processes before any of them binds, and the kernel may offer a just-closed port again."""
     for _ in range(len(_PORTS)):
-        port = _PORTS[_next[0] % len(_PORTS)]
-        _next[0] += 1
+        port = _PORTS[next(_TURN) % len(_PORTS)]
         if port not in _HANDED_OUT and _bindable(port):
             _HANDED_OUT.add(port)
             return port

@@ -341,10 +341,11 @@ def _start_and_serve(args: argparse.Namespace, held: list[socket.socket]) -> int
             for i in range(count):
                 cmd = [sys.executable, "-m", "pdserve", role, "--worker-id", f"{role}-{i}", *common, "--device",
                        devices.pop(0), *role_flags(args, role, decode_share)]
+                mport = None
                 if not args.no_metrics:
                     mport = args.metrics_port + 1 + len(starting) if args.metrics_port else 0
                     cmd += ["--metrics-port", str(mport)]
-                metrics_ports.append(None if args.no_metrics else mport)
+                metrics_ports.append(mport)
                 starting.append((role, *_start_worker(cmd, env, up_pid)))
         _say(f"starting {args.prefill} prefill and {args.decode} decode workers on {args.model}; each loads the "
              "model, then runs its warm-up, then reports ready ...")
